@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One entry point that does all set-up on a fresh machine, then runs a job.
+#   bash run.sh            the main job (a small offline distillation / demo on embedded defaults)
+#   bash run.sh test       the test suite (what CI runs)
+# Extra arguments are passed to the job (pytest flags for `test`).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${VECA_VENV:-.venv}"
+STAMP="$VENV/.veca-installed"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+# Reinstall only when the dependency list changed.
+WANT="$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # NOTE: pin torch explicitly first so no dependency range pulls a newer (multi-GB) build.
+    "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+    "$VENV/bin/python" -m pip install -q -e ".[train,dev]"
+    echo "$WANT" > "$STAMP"
+fi
+
+export HF_HUB_DISABLE_TELEMETRY=1
+job="${1:-main}"
+[ $# -gt 0 ] && shift
+case "$job" in
+    test)
+        export HF_HUB_OFFLINE=1
+        exec "$VENV/bin/python" -m pytest -q "$@"
+        ;;
+    main)
+        exec "$VENV/bin/python" -m veca_hf.demo "$@"
+        ;;
+    *)
+        echo "unknown job '$job': use 'bash run.sh' (main job) or 'bash run.sh test'" >&2
+        exit 2
+        ;;
+esac

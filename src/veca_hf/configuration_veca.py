@@ -1,0 +1,198 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""VECA (Visual Elastic Core Attention) model configuration."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.backbone_utils import BackboneConfigMixin
+from transformers.configuration_utils import PreTrainedConfig
+
+
+# The four released sizes (spec section 3). Everything else keeps the class defaults.
+VECA_PRESETS: dict[str, dict] = {
+    "veca-s16": {"hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6, "intermediate_size": 1024},
+    "veca-splus16": {"hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6, "intermediate_size": 1536},
+    "veca-b16": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 2048},
+    "veca-l16": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 2730},
+}
+
+# The DINOv3 teacher of the same width that each released size was distilled from.
+VECA_PRESET_TEACHERS: dict[str, str] = {
+    "veca-s16": "facebook/dinov3-vits16-pretrain-lvd1689m",
+    "veca-splus16": "facebook/dinov3-vits16plus-pretrain-lvd1689m",
+    "veca-b16": "facebook/dinov3-vitb16-pretrain-lvd1689m",
+    "veca-l16": "facebook/dinov3-vitl16-pretrain-lvd1689m",
+}
+
+
+@strict
+class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
+    r"""
+    Configuration of a [`VecaModel`]. The defaults describe VECA-B/16; `VecaConfig.from_preset(name)` builds any of
+    the released sizes (`"veca-s16"`, `"veca-splus16"`, `"veca-b16"`, `"veca-l16"`).
+
+    VECA is a ViT whose patches never attend to each other: every block runs core-periphery attention, in which a
+    small ordered bank of learned *core* tokens attends to all tokens and each patch attends to the cores only. The
+    first `C` cores of the bank are active (the budget, a multiple of `core_chunk_size`); `C` can be changed per call.
+
+    Args:
+        hidden_size (`int`, *optional*, defaults to 768):
+            Width `D` of the residual stream.
+        num_hidden_layers (`int`, *optional*, defaults to 12):
+            Number of transformer blocks `L`.
+        num_attention_heads (`int`, *optional*, defaults to 12):
+            Number of attention heads; the head size `hidden_size / num_attention_heads` must be a multiple of 4
+            (2D RoPE splits it into x and y halves of channel pairs).
+        intermediate_size (`int`, *optional*, defaults to 2048):
+            Hidden width of the SwiGLU MLP (`int(hidden_size * mlp_ratio)` in the reference code).
+        hidden_act (`str`, *optional*, defaults to `"silu"`):
+            Activation applied to the gate half of the SwiGLU MLP.
+        layer_norm_eps (`float`, *optional*, defaults to 1e-5):
+            Epsilon of every LayerNorm.
+        initializer_range (`float`, *optional*, defaults to 0.02):
+            Standard deviation of the truncated normal used for linear and patch-embedding weights.
+        image_size (`int`, *optional*, defaults to 256):
+            Training resolution. Informative only: any height and width that are multiples of `patch_size` work.
+        patch_size (`int`, *optional*, defaults to 16):
+            Side of the square patches.
+        num_channels (`int`, *optional*, defaults to 3):
+            Number of input channels.
+        num_core_tokens (`int`, *optional*, defaults to 64):
+            Size `M` of the core bank, the largest budget. A multiple of `core_chunk_size`.
+        core_chunk_size (`int`, *optional*, defaults to 8):
+            Cores are stored, and budgets chosen, in chunks of this many. The smallest budget is one chunk.
+        default_num_core_tokens (`int`, *optional*):
+            Budget used when `forward` is called without `num_core_tokens` (pipelines, `Trainer`). `None` means
+            the whole bank (`num_core_tokens`).
+        rope_theta (`float`, *optional*, defaults to 100.0):
+            Base of the RoPE periods, as in DINOv3.
+        rope_zero_frequency_ratio (`float`, *optional*, defaults to 0.125):
+            Fraction of the RoPE frequencies (the lowest ones) set to zero, leaving those channels unrotated.
+        pos_embed_shift (`float`, *optional*, defaults to 0.08):
+            Training only: patch coordinates are shifted per axis by `U(-shift, shift)`. `None` disables.
+        pos_embed_jitter (`float`, *optional*):
+            Training only: patch coordinates are scaled per axis by a log-uniform factor in `[1/jitter, jitter]`.
+            `None` (the default) disables.
+        pos_embed_rescale (`float`, *optional*, defaults to 2.0):
+            Training only: patch coordinates are scaled (both axes together) by a log-uniform factor in
+            `[1/rescale, rescale]`. `None` disables.
+        core_coordinate_init_range (`float`, *optional*, defaults to 0.95):
+            Initial core positions are farthest-point samples of points drawn uniformly in `[-r, r]^2`.
+        core_coordinate_init_candidates (`int`, *optional*, defaults to 1000):
+            Number of uniform candidate points the farthest-point sampling picks the initial core positions from.
+        core_coordinate_step_init (`float`, *optional*, defaults to 0.01):
+            Initial value of each layer's learned coordinate step scale `alpha_l`.
+        apply_layernorm (`bool`, *optional*, defaults to `True`):
+            [`VecaBackbone`] only: apply the final LayerNorm to every returned feature map.
+        reshape_hidden_states (`bool`, *optional*, defaults to `True`):
+            [`VecaBackbone`] only: return feature maps as `(batch, hidden_size, height / patch, width / patch)`
+            instead of `(batch, num_patches, hidden_size)`.
+        out_features (`list[str]`, *optional*):
+            [`VecaBackbone`] only: stages to return, among `"stem"`, `"stage1"`, ..., `"stage{L}"`.
+        out_indices (`list[int]`, *optional*):
+            [`VecaBackbone`] only: indices of the stages to return (alternative to `out_features`).
+
+    Example:
+
+    ```python
+    >>> from veca_hf import VecaConfig, VecaModel
+
+    >>> # VECA-S/16 with random weights
+    >>> config = VecaConfig.from_preset("veca-s16")
+    >>> model = VecaModel(config)
+
+    >>> # a budget of 16 cores for calls that cannot pass `num_core_tokens` (pipelines, Trainer)
+    >>> config = VecaConfig.from_preset("veca-s16", default_num_core_tokens=16)
+    ```"""
+
+    model_type = "veca"
+
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 2048
+    hidden_act: str = "silu"
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    image_size: int = 256
+    patch_size: int = 16
+    num_channels: int = 3
+    num_core_tokens: int = 64
+    core_chunk_size: int = 8
+    default_num_core_tokens: int | None = None
+    rope_theta: float = 100.0
+    rope_zero_frequency_ratio: float = 0.125
+    pos_embed_shift: float | None = 0.08
+    pos_embed_jitter: float | None = None
+    pos_embed_rescale: float | None = 2.0
+    core_coordinate_init_range: float = 0.95
+    core_coordinate_init_candidates: int = 1000
+    core_coordinate_step_init: float = 0.01
+    apply_layernorm: bool = True
+    reshape_hidden_states: bool = True
+    _out_features: list[str] | None = None
+    _out_indices: list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        self.stage_names = ["stem"] + [f"stage{i}" for i in range(1, self.num_hidden_layers + 1)]
+        self.set_output_features_output_indices(
+            out_indices=kwargs.pop("out_indices", None), out_features=kwargs.pop("out_features", None)
+        )
+        # NOTE: checked here rather than in a `validate_*` hook, which would wrap the ValueError in a
+        # huggingface_hub StrictDataclass error that users cannot catch as a ValueError.
+        self._check_sizes()
+        super().__post_init__(**kwargs)
+
+    def _check_sizes(self):
+        """Raises a `ValueError` naming the offending field when the sizes cannot form a VECA model."""
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})."
+            )
+        head_dim = self.hidden_size // self.num_attention_heads
+        if head_dim % 4 != 0:
+            raise ValueError(
+                f"The head size hidden_size / num_attention_heads = {head_dim} must be a multiple of 4 for 2D RoPE."
+            )
+        if self.core_chunk_size < 1 or self.num_core_tokens < self.core_chunk_size:
+            raise ValueError(
+                f"num_core_tokens ({self.num_core_tokens}) must be at least core_chunk_size ({self.core_chunk_size}) "
+                "and core_chunk_size at least 1."
+            )
+        if self.num_core_tokens % self.core_chunk_size != 0:
+            raise ValueError(
+                f"num_core_tokens ({self.num_core_tokens}) must be a multiple of core_chunk_size "
+                f"({self.core_chunk_size})."
+            )
+        if self.default_num_core_tokens is not None:
+            self.check_budget(self.default_num_core_tokens, name="default_num_core_tokens")
+        if not 0.0 <= self.rope_zero_frequency_ratio <= 1.0:
+            raise ValueError(f"rope_zero_frequency_ratio ({self.rope_zero_frequency_ratio}) must be in [0, 1].")
+
+    @property
+    def budgets(self) -> list[int]:
+        """Every valid budget: `core_chunk_size, 2 * core_chunk_size, ..., num_core_tokens`."""
+        return list(range(self.core_chunk_size, self.num_core_tokens + 1, self.core_chunk_size))
+
+    def check_budget(self, num_core_tokens, name: str = "num_core_tokens") -> int:
+        """Returns `num_core_tokens` as an int, or raises a `ValueError` that lists the valid budgets."""
+        if isinstance(num_core_tokens, bool) or not isinstance(num_core_tokens, int) or num_core_tokens not in self.budgets:
+            raise ValueError(
+                f"{name}={num_core_tokens!r} is not a valid budget: use a multiple of core_chunk_size="
+                f"{self.core_chunk_size} between {self.core_chunk_size} and num_core_tokens={self.num_core_tokens}, "
+                f"i.e. one of {self.budgets}."
+            )
+        return num_core_tokens
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs) -> "VecaConfig":
+        """Builds the configuration of a released size; keyword arguments override any field.
+
+        Args:
+            name (`str`): one of `"veca-s16"`, `"veca-splus16"`, `"veca-b16"`, `"veca-l16"`.
+        """
+        if name not in VECA_PRESETS:
+            raise ValueError(f"Unknown VECA preset {name!r}: choose one of {sorted(VECA_PRESETS)}.")
+        return cls(**{**VECA_PRESETS[name], **kwargs})
+
+
+__all__ = ["VecaConfig", "VECA_PRESETS", "VECA_PRESET_TEACHERS"]
