@@ -37,6 +37,15 @@ from .configuration_veca import VecaConfig
 
 logger = logging.get_logger(__name__)
 
+# Written into every saved config so the folder loads with `trust_remote_code=True` where veca_hf is not installed
+# (transformers itself records only the class that was saved).
+VECA_AUTO_MAP = {
+    "AutoConfig": "configuration_veca.VecaConfig",
+    "AutoModel": "modeling_veca.VecaModel",
+    "AutoModelForImageClassification": "modeling_veca.VecaForImageClassification",
+    "AutoBackbone": "modeling_veca.VecaBackbone",
+}
+
 
 @dataclass
 class VecaModelOutput(BaseModelOutputWithPooling):
@@ -358,6 +367,11 @@ class VecaPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["VecaEmbeddings", "VecaLayer"]
     _supports_sdpa = True
     _can_compile_fullgraph = True
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Same as [`PreTrainedModel.save_pretrained`], plus the code and an `auto_map` for `trust_remote_code`."""
+        self.config.auto_map = {**VECA_AUTO_MAP, **(getattr(self.config, "auto_map", None) or {})}
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
         """Spec section 2. Every parameter and non-persistent buffer is set here (`from_pretrained` builds on meta)."""

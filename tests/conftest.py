@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny VECA configs, a tiny DINOv3 teacher, generated images. Nothing touches the network."""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))  # tests/reference_veca.py
+
+import veca_hf  # noqa: E402  (registers the Auto classes)
+from veca_hf import VecaConfig  # noqa: E402
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def tiny_config(**overrides) -> VecaConfig:
+    """Two blocks, width 64, two 32-wide heads, a bank of 16 cores (budgets 8 and 16): runs in milliseconds."""
+    values = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=170,
+        num_core_tokens=16,
+        core_chunk_size=8,
+        image_size=64,
+    )
+    values.update(overrides)
+    return VecaConfig(**values)
+
+
+@pytest.fixture
+def config() -> VecaConfig:
+    return tiny_config()
+
+
+@pytest.fixture
+def pixel_values() -> torch.Tensor:
+    """Two non-square 64x48 images (4 x 3 patches)."""
+    return torch.randn(2, 3, 64, 48, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def random_pil_images(count: int, size=(96, 80), seed: int = 0):
+    """Small random RGB PIL images (generated, so tests need no data files)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def tiny_dinov3_config(**overrides):
+    """A tiny DINOv3 teacher config (same width as `tiny_config`, patch 16, 4 registers)."""
+    from transformers import DINOv3ViTConfig
+
+    values = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        patch_size=16,
+        num_register_tokens=4,
+        image_size=64,
+    )
+    values.update(overrides)
+    return DINOv3ViTConfig(**values)
