@@ -1,0 +1,278 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Distillation pieces (spec sections 4-5): budget and resolution sampling, teacher targets, the loss, optimiser groups.
+
+Everything here is pure and testable; `examples/distill.py` is the glue that runs it with Accelerate.
+
+Shape legend: B batch, N patches, C active cores, D student width, Dt teacher width.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+# Spec section 4: budgets 8..64 drawn with weights 1,1,2,2,3,3,4,4 (E[C] = 44).
+DEFAULT_BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64)
+DEFAULT_BUDGET_WEIGHTS = (1, 1, 2, 2, 3, 3, 4, 4)
+# Spec section 5, stage 2: one resolution per step, the mix changing at step 7k.
+PAPER_STAGE2_RESOLUTION_SCHEDULE = "0:256,384,512@0.35,0.35,0.30;7000:256,384,512,768@0.15,0.25,0.30,0.30"
+
+
+def _step_generator(seed: int, step: int, stream: int) -> torch.Generator:
+    """A generator that depends only on (seed, step, stream): every rank and every resume draws the same value."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + stream) % (2**63 - 1))
+
+
+class WeightedChoice:
+    """Draws one of `values` with probability proportional to `weights`, as a function of the step.
+
+    NOTE: drawing from (seed, step) instead of a running RNG needs no broadcast between ranks, no state in
+    checkpoints, and gives the same value on every gradient-accumulation micro-batch of a step.
+
+    Args:
+        values (`Sequence[int]`): the choices.
+        weights (`Sequence[float]`, *optional*): non-negative weights, one per value (uniform by default).
+        seed (`int`): the run's seed.
+        stream (`int`): separates independent draws made at the same step (budget vs resolution).
+    """
+
+    def __init__(self, values: Sequence[int], weights: Sequence[float] | None = None, seed: int = 0, stream: int = 0):
+        values = [int(v) for v in values]
+        weights = [1.0] * len(values) if weights is None else [float(w) for w in weights]
+        if not values:
+            raise ValueError("WeightedChoice needs at least one value.")
+        if len(weights) != len(values):
+            raise ValueError(f"Got {len(values)} values {values} but {len(weights)} weights {weights}.")
+        if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"Weights must be finite, non-negative and not all zero, got {weights}.")
+        self.values = values
+        self.probabilities = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+        self.seed = seed
+        self.stream = stream
+
+    def __call__(self, step: int) -> int:
+        index = torch.multinomial(self.probabilities, 1, generator=_step_generator(self.seed, step, self.stream))
+        return self.values[int(index)]
+
+
+class BudgetSampler(WeightedChoice):
+    """The elastic budget of each optimiser step (spec section 4); `sampler(step) -> C`."""
+
+    def __init__(
+        self,
+        budgets: Sequence[int] = DEFAULT_BUDGETS,
+        weights: Sequence[float] | None = DEFAULT_BUDGET_WEIGHTS,
+        seed: int = 0,
+    ):
+        super().__init__(budgets, weights, seed=seed, stream=1)
+
+
+class ResolutionSchedule:
+    """One training resolution per optimiser step, from a piecewise schedule of weighted choices.
+
+    The text format is `"start:res,res,...@p,p,...;start:..."`, e.g. the paper's stage 2
+    (`PAPER_STAGE2_RESOLUTION_SCHEDULE`); a plain `"256"` means a single resolution throughout.
+
+    Args:
+        schedule (`str` or `int`): the schedule text, or one fixed resolution.
+        seed (`int`): the run's seed.
+    """
+
+    def __init__(self, schedule: str | int, seed: int = 0):
+        self.stages: list[tuple[int, WeightedChoice]] = []
+        for part in str(schedule).replace(" ", "").split(";"):
+            start, _, choice = part.rpartition(":")
+            resolutions, _, weights = choice.partition("@")
+            try:
+                values = [int(r) for r in resolutions.split(",")]
+                probabilities = [float(w) for w in weights.split(",")] if weights else None
+                start_step = int(start) if start else 0
+            except ValueError as error:
+                raise ValueError(
+                    f"Cannot parse resolution schedule {schedule!r} ({error}); expected e.g. '256' or "
+                    f"'{PAPER_STAGE2_RESOLUTION_SCHEDULE}'."
+                ) from None
+            if any(v <= 0 for v in values):
+                raise ValueError(f"Resolutions must be positive, got {values} in {schedule!r}.")
+            self.stages.append((start_step, WeightedChoice(values, probabilities, seed=seed, stream=2)))
+        self.stages.sort(key=lambda stage: stage[0])
+        if self.stages[0][0] != 0:
+            raise ValueError(f"The resolution schedule {schedule!r} must start at step 0.")
+
+    @property
+    def max_resolution(self) -> int:
+        return max(max(choice.values) for _, choice in self.stages)
+
+    @property
+    def resolutions(self) -> list[int]:
+        return sorted({v for _, choice in self.stages for v in choice.values})
+
+    def __call__(self, step: int) -> int:
+        choice = next(choice for start, choice in reversed(self.stages) if step >= start)
+        return choice(step)
+
+
+@dataclass
+class TeacherTargets:
+    """The teacher's final-norm outputs: `cls (B, Dt)` and `patches (B, N, Dt)` (registers dropped)."""
+
+    cls: torch.Tensor
+    patches: torch.Tensor
+
+
+def teacher_image_size(height: int, width: int, student_patch_size: int, teacher_patch_size: int) -> tuple[int, int]:
+    """The size at which the teacher sees the image so that its patch grid equals the student's."""
+    if height % student_patch_size or width % student_patch_size:
+        raise ValueError(
+            f"Image size {height}x{width} is not a multiple of the student's patch size {student_patch_size}."
+        )
+    return height // student_patch_size * teacher_patch_size, width // student_patch_size * teacher_patch_size
+
+
+def _patch_size(config) -> int:
+    patch_size = config.patch_size
+    return patch_size[0] if isinstance(patch_size, (tuple, list)) else int(patch_size)
+
+
+@torch.no_grad()
+def compute_teacher_targets(
+    teacher: nn.Module,
+    pixel_values: torch.Tensor,
+    student_patch_size: int,
+    micro_batch_size: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> TeacherTargets:
+    """Runs the frozen teacher on the student's normalised images and returns its distillation targets.
+
+    Spec section 5: the CLS token is token 0 of `last_hidden_state` (already after the teacher's final norm); the
+    patch targets are the tokens after `1 + num_register_tokens`. A teacher with another patch size (DINOv2 uses 14)
+    sees the image resized so that both patch grids are equal.
+
+    Args:
+        teacher (`nn.Module`): a DINOv3 / DINOv2 `AutoModel`; it is kept in eval mode (DINOv3's train mode
+            randomly rescales its RoPE).
+        pixel_values (`torch.Tensor` of shape `(B, 3, H, W)`): the student's input batch.
+        student_patch_size (`int`): the student's patch size.
+        micro_batch_size (`int`, *optional*): run the teacher on this many images at a time (all at once if `None`).
+        autocast_dtype (`torch.dtype`, *optional*): e.g. `torch.bfloat16` to run the teacher in reduced precision.
+    """
+    if teacher.training:
+        teacher.eval()
+    config = teacher.config
+    teacher_patch_size = _patch_size(config)
+    num_prefix_tokens = 1 + int(getattr(config, "num_register_tokens", 0) or 0)
+    height, width = pixel_values.shape[-2:]
+    teacher_size = teacher_image_size(height, width, student_patch_size, teacher_patch_size)
+    if teacher_size != (height, width):
+        pixel_values = F.interpolate(pixel_values, size=teacher_size, mode="bicubic", antialias=True, align_corners=False)
+    num_patches = (height // student_patch_size) * (width // student_patch_size)
+
+    micro_batch_size = micro_batch_size or pixel_values.shape[0]
+    cls_parts, patch_parts = [], []
+    for chunk in pixel_values.split(micro_batch_size):
+        with torch.autocast(chunk.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            hidden = teacher(pixel_values=chunk).last_hidden_state  # (b, prefix + N, Dt)
+        if hidden.shape[1] - num_prefix_tokens != num_patches:
+            raise ValueError(
+                f"The teacher returned {hidden.shape[1]} tokens for a {teacher_size[0]}x{teacher_size[1]} image; "
+                f"after {num_prefix_tokens} CLS/register tokens that is {hidden.shape[1] - num_prefix_tokens} patches, "
+                f"but the student has {num_patches}. Check the teacher's patch size and registers."
+            )
+        cls_parts.append(hidden[:, 0].float())
+        patch_parts.append(hidden[:, num_prefix_tokens:].float())
+    return TeacherTargets(cls=torch.cat(cls_parts), patches=torch.cat(patch_parts))
+
+
+class DistillationLoss(nn.Module):
+    """`L = L_global + dense_weight * (L_dense_cos + mse_weight * L_dense_mse)` (spec section 5), in fp32.
+
+    - `L_global = mean_b (1 - cos(student global core, teacher CLS))`
+    - `L_dense_cos = mean_{b,n} (1 - cos(student patch, teacher patch))`
+    - `L_dense_mse = mean over all elements of (student patch - teacher patch)^2`
+
+    With different widths a trainable linear projection maps the student to the teacher's width (none when equal,
+    as for every released pair).
+
+    Args:
+        student_hidden_size (`int`): the student's width `D`.
+        teacher_hidden_size (`int`): the teacher's width `Dt`.
+        dense_weight (`float`, *optional*, defaults to 1.0): `lambda_dense`.
+        mse_weight (`float`, *optional*, defaults to 1.0): `beta`.
+    """
+
+    def __init__(
+        self, student_hidden_size: int, teacher_hidden_size: int, dense_weight: float = 1.0, mse_weight: float = 1.0
+    ):
+        super().__init__()
+        self.projection = (
+            nn.Linear(student_hidden_size, teacher_hidden_size) if student_hidden_size != teacher_hidden_size else None
+        )
+        self.dense_weight = dense_weight
+        self.mse_weight = mse_weight
+
+    def forward(
+        self, student_global: torch.Tensor, student_patches: torch.Tensor, targets: TeacherTargets
+    ) -> dict[str, torch.Tensor]:
+        # (B, D), (B, N, D) -> the teacher's width, fp32
+        if self.projection is not None:
+            student_global, student_patches = self.projection(student_global), self.projection(student_patches)
+        student_global, student_patches = student_global.float(), student_patches.float()
+        if student_patches.shape != targets.patches.shape:
+            raise ValueError(
+                f"Student patches {tuple(student_patches.shape)} and teacher patches {tuple(targets.patches.shape)} "
+                "differ: the patch grids must match."
+            )
+        global_loss = (1 - F.cosine_similarity(student_global, targets.cls, dim=-1, eps=1e-6)).mean()
+        dense_cosine_loss = (1 - F.cosine_similarity(student_patches, targets.patches, dim=-1, eps=1e-6)).mean()
+        dense_mse_loss = F.mse_loss(student_patches, targets.patches)
+        loss = global_loss + self.dense_weight * (dense_cosine_loss + self.mse_weight * dense_mse_loss)
+        return {
+            "loss": loss,
+            "global_loss": global_loss.detach(),
+            "dense_cosine_loss": dense_cosine_loss.detach(),
+            "dense_mse_loss": dense_mse_loss.detach(),
+        }
+
+
+# Parameters that must not be weight-decayed, by the last component of their name (plus every 1-D tensor).
+NO_DECAY_NAMES = ("core_tokens", "core_coordinates", "step", "bias")
+
+
+def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups with no weight decay on cores, core coordinates, coordinate step scales, norms and biases.
+
+    NOTE: `Trainer`'s default rule decays everything that is not a norm or a bias, which would pull the cores and
+    their coordinates towards zero.
+    """
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        parts = name.split(".")
+        if parameter.ndim <= 1 or any(part in NO_DECAY_NAMES for part in parts):
+            no_decay.append(parameter)
+        else:
+            decay.append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_BUDGET_WEIGHTS",
+    "PAPER_STAGE2_RESOLUTION_SCHEDULE",
+    "BudgetSampler",
+    "DistillationLoss",
+    "ResolutionSchedule",
+    "TeacherTargets",
+    "WeightedChoice",
+    "compute_teacher_targets",
+    "get_parameter_groups",
+    "teacher_image_size",
+]

@@ -1,0 +1,167 @@
+"""Distillation pieces: losses, budget/resolution sampling, teacher targets, parameter groups, overfitting."""
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_dinov3_config
+from transformers import DINOv3ViTModel, Dinov2Config, Dinov2Model
+
+from veca_hf import VecaModel
+from veca_hf.distillation import (
+    DEFAULT_BUDGET_WEIGHTS,
+    DEFAULT_BUDGETS,
+    PAPER_STAGE2_RESOLUTION_SCHEDULE,
+    BudgetSampler,
+    DistillationLoss,
+    ResolutionSchedule,
+    TeacherTargets,
+    compute_teacher_targets,
+    get_parameter_groups,
+    teacher_image_size,
+)
+
+
+def test_loss_matches_a_hand_computation():
+    generator = torch.Generator().manual_seed(0)
+    student_global, teacher_cls = torch.randn(3, 8, generator=generator), torch.randn(3, 8, generator=generator)
+    student_patches, teacher_patches = torch.randn(3, 5, 8, generator=generator), torch.randn(3, 5, 8, generator=generator)
+    terms = DistillationLoss(8, 8, dense_weight=0.5, mse_weight=2.0)(
+        student_global, student_patches, TeacherTargets(teacher_cls, teacher_patches)
+    )
+
+    def cosine(a, b):
+        return sum(x * y for x, y in zip(a, b)) / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+    global_loss = sum(1 - cosine(s.tolist(), t.tolist()) for s, t in zip(student_global, teacher_cls)) / 3
+    dense_cos = sum(
+        1 - cosine(s.tolist(), t.tolist()) for sb, tb in zip(student_patches, teacher_patches) for s, t in zip(sb, tb)
+    ) / 15
+    dense_mse = sum((x - y) ** 2 for x, y in zip(student_patches.flatten().tolist(), teacher_patches.flatten().tolist())) / (3 * 5 * 8)
+    assert terms["global_loss"].item() == pytest.approx(global_loss, rel=1e-5)
+    assert terms["dense_cosine_loss"].item() == pytest.approx(dense_cos, rel=1e-5)
+    assert terms["dense_mse_loss"].item() == pytest.approx(dense_mse, rel=1e-5)
+    assert terms["loss"].item() == pytest.approx(global_loss + 0.5 * (dense_cos + 2.0 * dense_mse), rel=1e-5)
+
+
+def test_loss_projects_when_widths_differ_and_checks_grids():
+    loss = DistillationLoss(8, 12)
+    assert loss.projection is not None and DistillationLoss(8, 8).projection is None
+    terms = loss(torch.randn(2, 8), torch.randn(2, 4, 8), TeacherTargets(torch.randn(2, 12), torch.randn(2, 4, 12)))
+    terms["loss"].backward()
+    assert loss.projection.weight.grad is not None
+    with pytest.raises(ValueError, match="patch grids"):
+        DistillationLoss(8, 8)(torch.randn(2, 8), torch.randn(2, 4, 8), TeacherTargets(torch.randn(2, 8), torch.randn(2, 5, 8)))
+
+
+def test_budget_sampler_is_identical_across_ranks_and_follows_the_weights():
+    rank0, rank1 = BudgetSampler(seed=3), BudgetSampler(seed=3)
+    draws = [rank0(step) for step in range(20000)]
+    assert draws == [rank1(step) for step in range(20000)]  # every rank, no communication
+    assert draws[:50] != [BudgetSampler(seed=4)(step) for step in range(50)]
+    counts = Counter(draws)
+    total = sum(DEFAULT_BUDGET_WEIGHTS)
+    for budget, weight in zip(DEFAULT_BUDGETS, DEFAULT_BUDGET_WEIGHTS):
+        assert abs(counts[budget] / len(draws) - weight / total) < 0.012, budget
+    assert abs(sum(draws) / len(draws) - 44) < 0.5  # E[C] = 44 (spec section 4)
+
+
+def test_budget_sampler_rejects_bad_weights():
+    with pytest.raises(ValueError, match="weights"):
+        BudgetSampler(budgets=(8, 16), weights=(1,))
+    with pytest.raises(ValueError, match="non-negative"):
+        BudgetSampler(budgets=(8, 16), weights=(1, -1))
+
+
+def test_resolution_schedule_switches_stage_and_parses_the_paper_recipe():
+    schedule = ResolutionSchedule(PAPER_STAGE2_RESOLUTION_SCHEDULE, seed=0)
+    early = {schedule(step) for step in range(0, 3000)}
+    late = Counter(schedule(step) for step in range(7000, 17000))
+    assert early == {256, 384, 512}
+    assert set(late) == {256, 384, 512, 768} and abs(late[768] / 10000 - 0.30) < 0.02
+    assert schedule.max_resolution == 768
+    assert {ResolutionSchedule("256")(step) for step in range(10)} == {256}
+
+
+@pytest.mark.parametrize("text", ["abc", "0:256@1,2", "5:256", "0:-16"])
+def test_resolution_schedule_rejects_bad_text(text):
+    with pytest.raises(ValueError):
+        ResolutionSchedule(text)
+
+
+def test_teacher_targets_drop_cls_and_registers():
+    teacher = DINOv3ViTModel(tiny_dinov3_config()).eval()
+    pixel_values = torch.randn(3, 3, 64, 48)
+    targets = compute_teacher_targets(teacher, pixel_values, student_patch_size=16, micro_batch_size=2)
+    with torch.no_grad():
+        hidden = teacher(pixel_values=pixel_values).last_hidden_state  # 1 CLS + 4 registers + 12 patches
+    torch.testing.assert_close(targets.cls, hidden[:, 0])
+    torch.testing.assert_close(targets.patches, hidden[:, 5:])
+    assert targets.patches.shape == (3, 12, 64)
+
+
+def test_teacher_targets_keep_the_teacher_in_eval_mode():
+    teacher = DINOv3ViTModel(tiny_dinov3_config())
+    teacher.train()  # DINOv3's train mode rescales RoPE at random
+    pixel_values = torch.randn(2, 3, 32, 32)
+    first = compute_teacher_targets(teacher, pixel_values, 16)
+    second = compute_teacher_targets(teacher, pixel_values, 16)
+    assert not teacher.training
+    torch.testing.assert_close(first.patches, second.patches)
+
+
+def test_teacher_with_another_patch_size_sees_the_same_grid():
+    teacher = Dinov2Model(
+        Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, patch_size=14, image_size=56)
+    ).eval()
+    assert teacher_image_size(64, 48, 16, 14) == (56, 42)
+    targets = compute_teacher_targets(teacher, torch.randn(2, 3, 64, 48), student_patch_size=16)
+    assert targets.patches.shape == (2, 12, 32)
+
+
+def test_teacher_grid_mismatch_is_a_clear_error():
+    class WrongTeacher(torch.nn.Module):
+        config = tiny_dinov3_config(num_register_tokens=0)
+
+        def forward(self, pixel_values):
+            return type("Output", (), {"last_hidden_state": torch.zeros(pixel_values.shape[0], 7, 64)})()
+
+    with pytest.raises(ValueError, match="the student has 4"):
+        compute_teacher_targets(WrongTeacher(), torch.randn(1, 3, 32, 32), 16)
+    with pytest.raises(ValueError, match="patch size"):
+        teacher_image_size(30, 32, 16, 14)
+
+
+def test_parameter_groups_keep_weight_decay_off_cores_coordinates_norms_and_biases():
+    model = VecaModel(tiny_config())
+    decay, no_decay = get_parameter_groups(model, weight_decay=0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert {"embeddings.core_tokens.0", "embeddings.core_coordinates.1", "encoder.core_coordinate_heads.0.step"} <= no_decay_names
+    assert "norm.weight" in no_decay_names and "encoder.layer.0.attention.q_proj.bias" in no_decay_names
+    assert "encoder.layer.0.attention.q_proj.weight" in decay_names
+    assert "embeddings.patch_embeddings.weight" in decay_names
+    assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
+    assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
+
+
+def test_loss_falls_when_overfitting_a_tiny_set():
+    torch.manual_seed(0)
+    student = VecaModel(tiny_config()).train()
+    teacher = DINOv3ViTModel(tiny_dinov3_config()).eval()
+    pixel_values = torch.randn(4, 3, 32, 32)
+    targets = compute_teacher_targets(teacher, pixel_values, 16)
+    criterion = DistillationLoss(64, 64)
+    optimizer = torch.optim.AdamW(get_parameter_groups(student, 0.01), lr=3e-3)
+    sampler = BudgetSampler(budgets=(8, 16), weights=(1, 1))
+    losses = []
+    for step in range(40):
+        budget = sampler(step)
+        outputs = student(pixel_values, num_core_tokens=budget)
+        loss = criterion(outputs.pooler_output, outputs.last_hidden_state[:, budget:], targets)["loss"]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
