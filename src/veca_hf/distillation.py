@@ -263,6 +263,30 @@ def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+
+
+class StudentWithLoss(nn.Module):
+    """The trainable part of distillation in one module (student + optional projection), so DDP / DeepSpeed wrap
+    one model and unused-parameter handling covers both.
+
+    Args:
+        student (`VecaModel`): the student.
+        criterion (`DistillationLoss`): the loss, possibly holding a trainable projection.
+    """
+
+    def __init__(self, student: nn.Module, criterion: DistillationLoss):
+        super().__init__()
+        self.student = student
+        self.criterion = criterion
+
+    def forward(
+        self, pixel_values: torch.Tensor, num_core_tokens: int, teacher_cls: torch.Tensor, teacher_patches: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        outputs = self.student(pixel_values, num_core_tokens=num_core_tokens)
+        student_patches = outputs.last_hidden_state[:, num_core_tokens:]  # (B, N, D)
+        return self.criterion(outputs.pooler_output, student_patches, TeacherTargets(teacher_cls, teacher_patches))
+
+
 __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_BUDGET_WEIGHTS",
@@ -270,6 +294,7 @@ __all__ = [
     "BudgetSampler",
     "DistillationLoss",
     "ResolutionSchedule",
+    "StudentWithLoss",
     "TeacherTargets",
     "WeightedChoice",
     "compute_teacher_targets",
