@@ -1,0 +1,533 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Streaming image data for distillation: loading, robust decoding, transforms, a deterministic stream, collate.
+
+The pieces, in the order a training script uses them:
+
+1. `load_image_dataset` opens a local image folder, parquet shards, webdataset tars or a Hub dataset as a streamed
+   `datasets.IterableDataset`; `detect_image_column` finds the image column.
+2. `build_transform` is spec section 5 in torchvision transforms v2 (train: resize short side to 1.125 x crop,
+   random crop, flip, TrivialAugmentWide; eval: resize + centre crop; both normalised with ImageNet mean/std).
+3. `ImageStream` turns the dataset into a per-epoch, per-rank stream of transformed tensors. It is exactly
+   reproducible: replaying the same epoch gives bit-identical tensors, which is what exact resume relies on
+   (rebuild the stream, discard the batches already consumed).
+4. `collate_images` batches it and counts the images that could not be used; `resize_batch` downsizes a batch for
+   per-step multi-resolution training.
+
+```python
+from torch.utils.data import DataLoader
+from veca_hf.data import ImageStream, build_transform, collate_images, detect_image_column, load_image_dataset
+
+dataset = load_image_dataset("path/to/images")
+stream = ImageStream(dataset, detect_image_column(dataset), build_transform(256, train=True), seed=0)
+loader = DataLoader(stream, batch_size=64, num_workers=4, collate_fn=collate_images,
+                    generator=torch.Generator().manual_seed(0))  # keeps the global RNG out of it
+for epoch in range(num_epochs):
+    stream.set_epoch(epoch)
+    for batch in loader:  # batch["pixel_values"]: (B', 3, 256, 256), B' = 64 - batch["num_skipped"]
+        ...
+```
+
+Shapes: `B` batch, `H`/`W` image height/width, `r` resolution.
+"""
+
+import glob
+import os
+from collections import Counter
+from typing import Any
+
+import datasets
+import numpy as np
+import PIL.Image
+import PIL.ImageFile
+import torch
+import torch.nn.functional as F
+from datasets.distributed import split_dataset_by_node
+from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from torchvision.transforms import v2
+from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "ImageStream",
+    "build_transform",
+    "collate_images",
+    "decode_image",
+    "detect_image_column",
+    "load_image_dataset",
+    "resize_batch",
+]
+
+RESIZE_RATIO = 1.125  # spec section 5: resize the short side to 1.125 x the crop
+IMAGE_COLUMN_NAMES = ("image", "img", "jpg", "jpeg", "png", "webp")
+SKIP_UNDECODABLE = "undecodable"
+SKIP_TOO_SMALL = "too_small"
+
+_IMAGE_EXTENSIONS = frozenset(extension.lower() for extension in ImageFolder.EXTENSIONS)
+_GLOB_CHARACTERS = ("*", "?", "[")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _builder_for_files(files: list[str], source: str) -> str:
+    """The packaged `datasets` builder for a list of local files: parquet, then webdataset tars, then images."""
+    extensions = {os.path.splitext(file)[1].lower() for file in files}
+    if ".parquet" in extensions:
+        return "parquet"
+    if ".tar" in extensions:
+        return "webdataset"
+    if extensions & _IMAGE_EXTENSIONS:
+        return "imagefolder"
+    raise ValueError(
+        f"{source!r} holds no image, parquet or webdataset (.tar) files (found extensions: {sorted(extensions)})."
+    )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """`namespace/name` or `name` as the Hub spells dataset ids (local-looking paths are never Hub ids)."""
+    if name.startswith((".", "/", "~")) or "\\" in name:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def load_image_dataset(
+    dataset_name: str,
+    dataset_config_name: str | None = None,
+    split: str = "train",
+    streaming: bool = True,
+) -> datasets.IterableDataset:
+    """
+    Open an image dataset, streamed by default, from a local folder, local shards or the Hub.
+
+    What `dataset_name` may be, and the `datasets` builder used for it:
+
+    - a local directory: scanned recursively; if it holds parquet files the `"parquet"` builder is used, else if it
+      holds `.tar` files the `"webdataset"` builder, else if it holds images the `"imagefolder"` builder. All three
+      get `data_dir=dataset_name`, so the usual `datasets` split inference applies (files or folders named
+      `train`/`validation`/`test` form those splits; anything else is `train`).
+    - a glob (`"shards/*.parquet"`, `"tars/*.tar"`, `"images/**/*.jpg"`) or a single local file: the matching files,
+      sorted, become the split `split` (`data_files={split: files}`), with the builder chosen as above.
+    - anything else that is a valid Hub dataset id: `datasets.load_dataset(dataset_name, dataset_config_name,
+      split=split, streaming=streaming)`.
+
+    NOTE: a streamed image folder is a single shard whatever its file count, so several ranks split it example by
+    example; parquet and tar shards are split file by file, so write at least as many shards as ranks x workers.
+    Webdataset columns are named after the file extensions inside the tars (`"jpg"`, `"png"`, `"cls"`, plus
+    `"__key__"` and `"__url__"`).
+
+    Args:
+        dataset_name (`str`):
+            A local directory, glob or file, or a Hub dataset id.
+        dataset_config_name (`str`, *optional*):
+            The Hub dataset configuration; ignored (with a warning) for local data.
+        split (`str`, *optional*, defaults to `"train"`):
+            The split to load.
+        streaming (`bool`, *optional*, defaults to `True`):
+            Stream the data (a `datasets.IterableDataset`). `False` returns a map-style `datasets.Dataset`.
+
+    Returns:
+        `datasets.IterableDataset` (or `datasets.Dataset` when `streaming=False`).
+
+    Raises:
+        `ValueError`: if `dataset_name` is neither an existing local path nor a valid Hub id, or if the local
+        folder or glob holds no usable files.
+    """
+    if not dataset_name:
+        raise ValueError("`dataset_name` is empty: pass a local folder, glob or file, or a Hub dataset id.")
+    path = os.path.expanduser(dataset_name)
+    is_glob = any(character in path for character in _GLOB_CHARACTERS)
+    is_local = is_glob or os.path.exists(path)
+    if is_local and dataset_config_name is not None:
+        logger.warning(f"`dataset_config_name={dataset_config_name!r}` is ignored for local data {dataset_name!r}.")
+
+    if os.path.isdir(path):
+        files = [file for file in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(file)]
+        if not files:
+            raise ValueError(f"The folder {dataset_name!r} is empty.")
+        builder = _builder_for_files(files, dataset_name)
+        logger.info(f"Loading {dataset_name!r} with the {builder!r} builder (data_dir), split {split!r}.")
+        return datasets.load_dataset(builder, data_dir=path, split=split, streaming=streaming)
+
+    if is_local:
+        files = sorted(file for file in glob.glob(path, recursive=True) if os.path.isfile(file))
+        if not files:
+            raise ValueError(f"No files match {dataset_name!r}.")
+        builder = _builder_for_files(files, dataset_name)
+        logger.info(f"Loading {len(files)} files matching {dataset_name!r} with the {builder!r} builder as {split!r}.")
+        return datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=streaming)
+
+    if _looks_like_hub_id(dataset_name):
+        logger.info(f"Loading the Hub dataset {dataset_name!r} (config {dataset_config_name!r}), split {split!r}.")
+        return datasets.load_dataset(dataset_name, dataset_config_name, split=split, streaming=streaming)
+
+    raise ValueError(
+        f"{dataset_name!r} does not exist locally and is not a valid Hub dataset id: pass an image folder, a folder "
+        "or glob of parquet or webdataset .tar shards, or a Hub dataset id such as 'namespace/name'."
+    )
+
+
+def _first_example_columns(dataset) -> list[str]:
+    """Column names of a dataset whose features are unknown (some streamed Hub datasets): peek at one example."""
+    for example in dataset.take(1) if hasattr(dataset, "take") else dataset:
+        return list(example)
+    return []
+
+
+def detect_image_column(dataset, image_column: str | None = None) -> str:
+    """
+    Find the column of a dataset that holds the images.
+
+    Args:
+        dataset (`datasets.IterableDataset` or `datasets.Dataset`):
+            The dataset.
+        image_column (`str`, *optional*):
+            The column asked for (e.g. `--image_column`); it is checked and returned as is.
+
+    Returns:
+        `str`: `image_column` if given, else the first column whose feature is `datasets.Image`, else the first of
+        `"image"`, `"img"`, `"jpg"`, `"jpeg"`, `"png"`, `"webp"` that is present.
+
+    Raises:
+        `ValueError`: if `image_column` is absent, or if no column qualifies; the message lists the columns.
+    """
+    features = dataset.features
+    columns = list(features) if features is not None else (dataset.column_names or _first_example_columns(dataset))
+    if image_column is not None:
+        if image_column not in columns:
+            raise ValueError(f"Image column {image_column!r} not found; the dataset has the columns {columns}.")
+        return image_column
+    if features is not None:
+        for name, feature in features.items():
+            if isinstance(feature, datasets.Image):
+                return name
+    for name in IMAGE_COLUMN_NAMES:
+        if name in columns:
+            return name
+    raise ValueError(
+        f"Could not find an image column among the dataset's columns {columns}: pass it with `--image_column`."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Transforms
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_transform(resolution: int, train: bool) -> v2.Compose:
+    """
+    Spec section 5's image transform, in torchvision transforms v2.
+
+    - train: resize the short side to `round(1.125 * resolution)` (bicubic, antialiased) -> random crop
+      `resolution` -> horizontal flip -> TrivialAugmentWide -> float in [0, 1] -> ImageNet normalisation.
+    - eval: resize the short side to `round(1.125 * resolution)` -> centre crop `resolution` -> the same tail.
+
+    The random transforms draw from the global torch RNG; `ImageStream` seeds it per sample inside
+    `torch.random.fork_rng`, so the process's own RNG is left untouched.
+
+    Args:
+        resolution (`int`):
+            The side of the square output crop (any positive int: patch 16 and patch 14 teachers both occur).
+        train (`bool`):
+            Whether to build the random training transform or the deterministic evaluation one.
+
+    Returns:
+        `torchvision.transforms.v2.Compose`: maps an RGB PIL image to a float32 tensor `(3, resolution, resolution)`.
+    """
+    if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution <= 0:
+        raise ValueError(f"`resolution` must be a positive int, got {resolution!r}.")
+    resize = v2.Resize(round(RESIZE_RATIO * resolution), interpolation=v2.InterpolationMode.BICUBIC, antialias=True)
+    if train:
+        head = [resize, v2.RandomCrop(resolution), v2.RandomHorizontalFlip(), v2.TrivialAugmentWide()]
+    else:
+        head = [resize, v2.CenterCrop(resolution)]
+    tail = [
+        v2.ToImage(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(mean=list(IMAGENET_DEFAULT_MEAN), std=list(IMAGENET_DEFAULT_STD)),
+        v2.ToPureTensor(),  # a plain `torch.Tensor`, not a `tv_tensors.Image`
+    ]
+    return v2.Compose(head + tail)
+
+
+def resize_batch(pixel_values: torch.Tensor, resolution: int) -> torch.Tensor:
+    """
+    Resize a normalised batch to `resolution x resolution` (bicubic, antialiased), for multi-resolution steps.
+
+    NOTE: resizing commutes with the per-channel normalisation (interpolation weights sum to one), so downsizing a
+    normalised crop equals normalising a downsized one up to rounding.
+
+    Args:
+        pixel_values (`torch.Tensor` of shape `(B, 3, H, W)`):
+            The batch, as the stream yields it (at the largest resolution of the schedule).
+        resolution (`int`):
+            The target side.
+
+    Returns:
+        `torch.Tensor` of shape `(B, 3, resolution, resolution)`, same dtype; the input itself if already that size.
+    """
+    if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution <= 0:
+        raise ValueError(f"`resolution` must be a positive int, got {resolution!r}.")
+    if pixel_values.ndim != 4:
+        raise ValueError(f"`pixel_values` must have shape (B, C, H, W), got {tuple(pixel_values.shape)}.")
+    if pixel_values.shape[-2:] == (resolution, resolution):
+        return pixel_values
+    # NOTE: antialiased bicubic has no bf16/fp16 CPU kernel (torch 2.14); compute in float32.
+    resized = F.interpolate(
+        pixel_values.float(), size=(resolution, resolution), mode="bicubic", align_corners=False, antialias=True
+    )  # (B, 3, r, r)
+    return resized.to(pixel_values.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
+    """Any PIL mode -> RGB: transparency is composited on white, 16/32-bit images are scaled to 8 bits."""
+    if image.mode == "RGB":
+        return image
+    if image.mode.startswith("I") or image.mode == "F":  # I, I;16, I;16B, I;16L, F: PIL's convert would clip
+        array = np.asarray(image, dtype=np.float64)  # (H, W)
+        if array.size and array.max() > 255:
+            array = array / 257.0  # 16-bit range 0..65535 -> 0..255
+        image = PIL.Image.fromarray(np.clip(np.rint(array), 0, 255).astype(np.uint8))  # mode L
+        return image.convert("RGB")
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info
+    if has_alpha:
+        image = image.convert("RGBA")
+        background = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return PIL.Image.alpha_composite(background, image).convert("RGB")
+    return image.convert("RGB")  # L, 1, P, CMYK, YCbCr, ...
+
+
+def decode_image(value: Any, min_size: int = 32) -> tuple[PIL.Image.Image | None, str | None]:
+    """
+    Decode what a streamed example holds for an image column into an RGB PIL image, never raising for bad data.
+
+    Truncated files count as undecodable: decoding runs with `PIL.ImageFile.LOAD_TRUNCATED_IMAGES = False`
+    (restored afterwards) and loads the pixels fully. EXIF orientation is applied (as `datasets.Image` does).
+
+    Args:
+        value (`PIL.Image.Image`, `dict`, `bytes` or `str`):
+            A PIL image, a `{"bytes": ..., "path": ...}` dict (from `datasets.Image(decode=False)`; local or remote
+            `path` when `bytes` is None), raw encoded bytes, or a path.
+        min_size (`int`, *optional*, defaults to 32):
+            Images whose shorter side is below this are rejected as `"too_small"`.
+
+    Returns:
+        `tuple`: `(image, None)` with an RGB image, or `(None, reason)` with `reason` `"undecodable"` or
+        `"too_small"`.
+    """
+    if min_size < 0:
+        raise ValueError(f"`min_size` must be >= 0, got {min_size}.")
+    previous = PIL.ImageFile.LOAD_TRUNCATED_IMAGES
+    PIL.ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        if isinstance(value, PIL.Image.Image):
+            image = value
+            image.load()
+        else:
+            if isinstance(value, (bytes, bytearray, memoryview)):
+                value = {"bytes": bytes(value), "path": None}
+            elif isinstance(value, (str, os.PathLike)):
+                value = {"bytes": None, "path": os.fspath(value)}
+            if not isinstance(value, dict):
+                logger.debug(f"Cannot decode an image from a {type(value).__name__}.")
+                return None, SKIP_UNDECODABLE
+            # Local paths, remote (fsspec) paths, bytes; loads fully and applies EXIF orientation.
+            image = datasets.Image().decode_example(value)
+        if min(image.size) < min_size:
+            return None, SKIP_TOO_SMALL
+        return _to_rgb(image), None
+    except Exception as error:  # NOTE: bad data must never stop the stream: PIL raises many exception types
+        path = value.get("path") if isinstance(value, dict) else None
+        logger.debug(f"Undecodable image {path!r}: {type(error).__name__}: {error}")
+        return None, SKIP_UNDECODABLE
+    finally:
+        PIL.ImageFile.LOAD_TRUNCATED_IMAGES = previous
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The stream
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _sample_seed(*keys: int) -> int:
+    """A well-mixed 64-bit seed from non-negative ints (seed, epoch, rank, stream, index)."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1, dtype=np.uint64)[0])
+
+
+class ImageStream(torch.utils.data.IterableDataset):
+    """
+    The deterministic per-epoch, per-rank stream of transformed images, for a `torch.utils.data.DataLoader`.
+
+    Every epoch the dataset is rebuilt as `shuffle(seed, buffer_size)` -> `set_epoch(epoch)` ->
+    `split_dataset_by_node(rank, world_size)`, so each rank reads a disjoint part and all ranks together read
+    everything once; the iterator ends at the end of the epoch. The image column is cast to
+    `datasets.Image(decode=False)`, so encoded bytes travel through the shuffle buffer and `decode_image` decodes
+    them (bad files are reported instead of crashing the pipeline).
+
+    DataLoader workers: when the rank's stream has at least as many shards as workers, `datasets` hands each worker
+    whole shards. Otherwise (a streamed image folder is a single shard) every worker walks the rank's whole stream
+    of *undecoded* examples and decodes only every `num_workers`-th one, so all workers decode and none duplicates.
+
+    Random augmentation is seeded per sample from `(seed, epoch, rank, stream, index)`, where `index` counts the
+    examples of the rank's stream (of the worker's stream when workers own whole shards, then `stream` is the worker
+    id + 1), inside `torch.random.fork_rng`: the tensors depend only on those keys, not on the process's RNG, which
+    they leave untouched. Replaying an epoch therefore reproduces it bit for bit, which is what exact resume needs
+    (rebuild the stream, discard what was consumed), as long as `num_workers` is unchanged.
+
+    NOTE: do not pass a DataLoader over this stream to `accelerator.prepare` in multi-process runs: with batch
+    dispatching off, Accelerate wraps any iterable dataset in `IterableDatasetShard`, which keeps only 1/world_size
+    of each rank's (already disjoint) part. Move the batches to `accelerator.device` instead. Ranks may also get a
+    different number of batches per epoch (shards differ in size): stop the epoch when any rank runs out.
+
+    Args:
+        dataset (`datasets.IterableDataset`):
+            The streamed dataset, e.g. from `load_image_dataset`.
+        image_column (`str`):
+            The image column (see `detect_image_column`); the other columns are dropped.
+        transform (`Callable`):
+            Maps an RGB PIL image to a tensor, e.g. `build_transform(resolution, train=True)`.
+        seed (`int`):
+            Seeds the shuffle and the augmentation; the same on every rank.
+        shuffle_buffer_size (`int`, *optional*, defaults to 1000):
+            Size of the `datasets` shuffle buffer (also shuffles the shard order each epoch); 0 keeps the stored
+            order (for evaluation).
+        rank (`int`, *optional*, defaults to 0):
+            This process's rank.
+        world_size (`int`, *optional*, defaults to 1):
+            The number of processes.
+        min_image_size (`int`, *optional*, defaults to 32):
+            Images with a shorter side below this are skipped as `"too_small"`.
+
+    Yields:
+        `dict`: `{"pixel_values": tensor}` with the transform's output (e.g. `(3, r, r)`), or
+        `{"pixel_values": None, "skipped": reason}` for an unusable image (`"undecodable"` or `"too_small"`), so that
+        the count survives worker processes. Batch with `collate_images`.
+    """
+
+    def __init__(
+        self,
+        dataset: datasets.IterableDataset,
+        image_column: str,
+        transform,
+        *,
+        seed: int,
+        shuffle_buffer_size: int = 1000,
+        rank: int = 0,
+        world_size: int = 1,
+        min_image_size: int = 32,
+    ):
+        if not isinstance(dataset, datasets.IterableDataset):
+            raise ValueError(f"`dataset` must be a streamed `datasets.IterableDataset`, got {type(dataset).__name__}.")
+        if seed < 0:
+            raise ValueError(f"`seed` must be >= 0, got {seed}.")
+        if shuffle_buffer_size < 0:
+            raise ValueError(f"`shuffle_buffer_size` must be >= 0, got {shuffle_buffer_size}.")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"Need 0 <= rank < world_size, got rank={rank}, world_size={world_size}.")
+        if min_image_size < 0:
+            raise ValueError(f"`min_image_size` must be >= 0, got {min_image_size}.")
+        detect_image_column(dataset, image_column)  # raises with the available columns if absent
+
+        dataset = dataset.select_columns([image_column])
+        if dataset.features is not None and isinstance(dataset.features[image_column], datasets.Image):
+            dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+        self.dataset = dataset
+        self.image_column = image_column
+        self.transform = transform
+        self.seed = seed
+        self.shuffle_buffer_size = shuffle_buffer_size
+        self.rank = rank
+        self.world_size = world_size
+        self.min_image_size = min_image_size
+        # NOTE: in shared memory (as `datasets` does), so persistent DataLoader workers see `set_epoch` too.
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch that the next iteration streams (its shuffle order and augmentation draws)."""
+        if epoch < 0:
+            raise ValueError(f"`epoch` must be >= 0, got {epoch}.")
+        self._epoch.fill_(epoch)
+
+    def _rank_dataset(self, epoch: int) -> datasets.IterableDataset:
+        """This rank's part of the epoch: shuffled with the shared seed, then split by node."""
+        dataset = self.dataset
+        if self.shuffle_buffer_size > 0:
+            dataset = dataset.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer_size)
+            # NOTE: only on the shuffled copy: `set_epoch(e > 0)` alone would also reorder the shards.
+            dataset.set_epoch(epoch)
+        if self.world_size > 1:
+            dataset = split_dataset_by_node(dataset, rank=self.rank, world_size=self.world_size)
+        return dataset
+
+    def _indexed_values(self, dataset: datasets.IterableDataset):
+        """Yield `(stream, index, value)` for the examples this process (or DataLoader worker) must decode."""
+        worker = torch.utils.data.get_worker_info()
+        num_workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
+        if num_workers > 1 and dataset.num_shards >= num_workers:
+            # Inside a worker, iterating a `datasets.IterableDataset` gives this worker whole shards.
+            for index, example in enumerate(dataset):
+                yield worker_id + 1, index, example[self.image_column]
+            return
+        # NOTE: `.iter()` does not split by worker (plain iteration would leave all but one worker idle on a
+        # single-shard stream): every worker walks the same undecoded stream and keeps its own round-robin share.
+        for index, batch in enumerate(dataset.iter(batch_size=1)):
+            if index % num_workers == worker_id:
+                yield 0, index, batch[self.image_column][0]
+
+    def _transform(self, image: PIL.Image.Image, seed: int) -> torch.Tensor:
+        """The transform, drawing from a generator seeded for this sample; the global CPU RNG is restored."""
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)  # NOTE: not torch.manual_seed, which also seeds CUDA
+            return self.transform(image)
+
+    def __iter__(self):
+        epoch = self.epoch
+        for stream, index, value in self._indexed_values(self._rank_dataset(epoch)):
+            image, reason = decode_image(value, min_size=self.min_image_size)
+            if image is None:
+                yield {"pixel_values": None, "skipped": reason}
+                continue
+            pixel_values = self._transform(image, _sample_seed(self.seed, epoch, self.rank, stream, index))
+            yield {"pixel_values": pixel_values}  # (3, r, r)
+
+
+def collate_images(examples: list[dict]) -> dict:
+    """
+    Batch `ImageStream` examples, dropping (and counting) the skipped ones.
+
+    Args:
+        examples (`list[dict]`):
+            Items yielded by `ImageStream`.
+
+    Returns:
+        `dict` with `pixel_values` (`torch.Tensor` of shape `(B', 3, H, W)` stacking the usable images, or `None`
+        when every image of the batch was skipped; callers must then skip the step), `num_skipped` (`int`) and
+        `skipped_reasons` (`collections.Counter` of reason -> count).
+    """
+    pixel_values = [example["pixel_values"] for example in examples if example.get("pixel_values") is not None]
+    skipped_reasons = Counter(
+        example.get("skipped", SKIP_UNDECODABLE) for example in examples if example.get("pixel_values") is None
+    )
+    return {
+        "pixel_values": torch.stack(pixel_values) if pixel_values else None,  # (B', 3, H, W)
+        "num_skipped": sum(skipped_reasons.values()),
+        "skipped_reasons": skipped_reasons,
+    }

@@ -1,0 +1,447 @@
+"""Tests for the streaming data pieces (`veca_hf.data`): loading, decoding, transforms, the deterministic stream.
+
+Every dataset is generated in a temporary folder. Each good image is one constant grey level (`LEVELS`), whatever
+its mode, so an output tensor identifies its example by its mean (`_key`), across ranks, workers and epochs.
+"""
+
+import io
+import itertools
+import random
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from veca_hf.data import (
+    ImageStream,
+    build_transform,
+    collate_images,
+    decode_image,
+    detect_image_column,
+    load_image_dataset,
+    resize_batch,
+)
+
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
+STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+RESOLUTION = 32
+LEVELS = [20 + 15 * i for i in range(14)]  # one grey level per good example: 20, 35, ..., 215
+
+
+def _key(pixel_values: torch.Tensor) -> int:
+    """The index into LEVELS of a constant-grey example (robust to JPEG noise, resizing and normalisation)."""
+    level = float((pixel_values * STD + MEAN).mean()) * 255
+    return round((level - 20) / 15)
+
+
+def _keys(items) -> list[int]:
+    return [_key(item["pixel_values"]) for item in items if item["pixel_values"] is not None]
+
+
+def _grey(level: int, size: tuple[int, int], mode: str) -> Image.Image:
+    """A constant `level` grey image of `size` (width, height) in PIL `mode`."""
+    width, height = size
+    if mode == "I;16":
+        return Image.fromarray(np.full((height, width), level * 257, dtype=np.uint16))
+    if mode == "CMYK":
+        return Image.new("CMYK", size, (0, 0, 0, 255 - level))
+    if mode == "P":
+        image = Image.new("P", size, 1)
+        image.putpalette([0, 0, 0, level, level, level] + [0] * (256 * 3 - 6))
+        return image
+    return Image.new("RGB", size, (level, level, level)).convert(mode)
+
+
+def _encode(image: Image.Image, format: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format)
+    return buffer.getvalue()
+
+
+# (file name, mode, size): mixed sizes, grayscale, RGBA, CMYK JPEG, palette PNG, 16-bit PNG.
+FOLDER_IMAGES = [
+    ("a00.jpg", "RGB", (48, 40)),
+    ("a01.png", "RGB", (64, 36)),
+    ("a02.jpg", "L", (40, 52)),
+    ("a03.png", "L", (36, 36)),
+    ("a04.png", "LA", (50, 44)),
+    ("a05.png", "RGBA", (44, 60)),
+    ("a06.jpg", "CMYK", (56, 40)),
+    ("a07.png", "P", (40, 40)),
+    ("a08.png", "I;16", (38, 46)),
+    ("a09.jpeg", "RGB", (80, 60)),
+    ("a10.png", "RGB", (40, 90)),
+    ("a11.jpg", "L", (70, 40)),
+]
+FOLDER_BAD = {"b_corrupt.jpg": "undecodable", "b_truncated.jpg": "undecodable", "b_tiny.png": "too_small"}
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """12 good images of different modes and sizes, plus a corrupt, a truncated and an 8x8 one."""
+    folder = tmp_path_factory.mktemp("images")
+    for index, (name, mode, size) in enumerate(FOLDER_IMAGES):
+        _grey(LEVELS[index], size, mode).save(folder / name)
+    rng = np.random.default_rng(0)
+    (folder / "b_corrupt.jpg").write_bytes(rng.integers(0, 256, 2000, dtype=np.uint8).tobytes())
+    noise = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    jpeg = _encode(noise, "JPEG")
+    (folder / "b_truncated.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    _grey(100, (8, 8), "RGB").save(folder / "b_tiny.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def parquet_folder(tmp_path_factory) -> Path:
+    """4 parquet shards of 3 images each (levels 0..11)."""
+    folder = tmp_path_factory.mktemp("parquet")
+    for shard in range(4):
+        images = [_grey(LEVELS[3 * shard + row], (40 + row, 36), "RGB") for row in range(3)]
+        table = datasets.Dataset.from_dict({"image": images, "id": [3 * shard + row for row in range(3)]})
+        table.cast_column("image", datasets.Image()).to_parquet(str(folder / f"part-{shard:05d}.parquet"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tar_folder(tmp_path_factory) -> Path:
+    """2 webdataset shards of 3 samples each (`<key>.jpg` + `<key>.cls`)."""
+    folder = tmp_path_factory.mktemp("webdataset")
+    for shard in range(2):
+        with tarfile.open(folder / f"shard-{shard:05d}.tar", "w") as tar:
+            for row in range(3):
+                index = 3 * shard + row
+                for extension, data in [
+                    ("jpg", _encode(_grey(LEVELS[index], (40, 40), "RGB"), "JPEG")),
+                    ("cls", str(index).encode()),
+                ]:
+                    info = tarfile.TarInfo(f"sample{index:04d}.{extension}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _no_parquet_shutdown_sleep(monkeypatch):
+    # NOTE: datasets 5.2 sleeps 5 s whenever a shuffled multi-shard parquet stream ends (apache/arrow#45214);
+    # harmless once per epoch in training, too slow for a test file that streams parquet a dozen times.
+    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0.01)
+
+
+def _stream(dataset, train=True, **kwargs):
+    kwargs.setdefault("seed", 0)
+    return ImageStream(dataset, detect_image_column(dataset), build_transform(RESOLUTION, train=train), **kwargs)
+
+
+def _load(name: str):
+    return load_image_dataset(name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading and column detection
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source, pattern, column, count",
+    [
+        ("image_folder", None, "image", 15),
+        ("image_folder", "*.png", "image", 8),
+        ("parquet_folder", None, "image", 12),
+        ("parquet_folder", "*.parquet", "image", 12),
+        ("tar_folder", None, "jpg", 6),
+        ("tar_folder", "*.tar", "jpg", 6),
+    ],
+)
+def test_load_image_dataset_sources(request, source, pattern, column, count):
+    folder = request.getfixturevalue(source)
+    dataset = _load(str(folder / pattern) if pattern else str(folder))
+    assert isinstance(dataset, datasets.IterableDataset)
+    assert detect_image_column(dataset) == column
+    assert isinstance(dataset.features[column], datasets.Image)
+    items = list(_stream(dataset, train=False, shuffle_buffer_size=0))
+    assert len(items) == count
+
+
+def test_webdataset_columns_named_by_extension(tar_folder):
+    dataset = _load(str(tar_folder))
+    assert dataset.num_shards == 2
+    assert {"jpg", "cls", "__key__", "__url__"} <= set(dataset.column_names)
+    assert sorted(_keys(_stream(dataset, train=False))) == list(range(6))
+
+
+def test_hub_ids_go_to_load_dataset(monkeypatch):
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: calls.append((args, kwargs)))
+    load_image_dataset("some-user/some-images", "default", split="validation")
+    assert calls == [(("some-user/some-images", "default"), {"split": "validation", "streaming": True})]
+
+
+def test_load_image_dataset_errors(tmp_path):
+    missing = str(tmp_path / "does_not_exist")
+    with pytest.raises(ValueError, match="does_not_exist"):
+        load_image_dataset(missing)
+    with pytest.raises(ValueError, match="empty"):
+        load_image_dataset(str(tmp_path))
+    with pytest.raises(ValueError, match="No files match"):
+        load_image_dataset(str(tmp_path / "*.parquet"))
+    (tmp_path / "notes.txt").write_text("no images here")
+    with pytest.raises(ValueError, match="no image, parquet or webdataset"):
+        load_image_dataset(str(tmp_path))
+    with pytest.raises(ValueError, match="empty"):
+        load_image_dataset("")
+
+
+def test_detect_image_column():
+    features = datasets.Features({"label": datasets.Value("int64"), "photo": datasets.Image()})
+    dataset = datasets.Dataset.from_dict({"label": [], "photo": []}, features=features)
+    assert detect_image_column(dataset) == "photo"
+    assert detect_image_column(dataset, "label") == "label"
+    with pytest.raises(ValueError, match=r"'pixels' not found.*\['label', 'photo'\]"):
+        detect_image_column(dataset, "pixels")
+
+    named = datasets.Dataset.from_dict({"id": [1], "img": [b"raw"]})  # no Image feature: falls back to names
+    assert detect_image_column(named) == "img"
+    unnamed = datasets.Dataset.from_dict({"id": [1], "blob": [b"raw"]})
+    with pytest.raises(ValueError, match=r"\['id', 'blob'\].*--image_column"):
+        detect_image_column(unnamed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "LA", "RGBA", "CMYK", "P", "I;16", "1", "YCbCr"])
+def test_decode_image_modes_become_rgb(mode):
+    level = 0 if mode == "1" else 120
+    image, reason = decode_image(_grey(level, (40, 34), mode))
+    assert reason is None and image.mode == "RGB" and image.size == (40, 34)
+    assert np.abs(np.asarray(image, dtype=np.float64) - level).max() <= 2
+
+
+def test_decode_image_composites_transparency_on_white():
+    rgba = np.zeros((40, 40, 4), dtype=np.uint8)  # black, transparent on the left, opaque on the right
+    rgba[:, 20:, 3] = 255
+    image, _ = decode_image(Image.fromarray(rgba))
+    array = np.asarray(image)
+    assert (array[:, :20] == 255).all() and (array[:, 20:] == 0).all()
+
+
+def test_decode_image_inputs(tmp_path):
+    encoded = _encode(_grey(90, (40, 40), "RGB"), "PNG")
+    path = tmp_path / "x.png"
+    path.write_bytes(encoded)
+    for value in [encoded, {"bytes": encoded, "path": None}, {"bytes": None, "path": str(path)}, str(path), path]:
+        image, reason = decode_image(value)
+        assert reason is None and image.mode == "RGB" and np.asarray(image).mean() == 90
+
+
+def test_decode_image_bad_data_never_raises(image_folder):
+    for name, reason in FOLDER_BAD.items():
+        assert decode_image(str(image_folder / name)) == (None, reason)
+    truncated = (image_folder / "b_truncated.jpg").read_bytes()
+    assert decode_image({"bytes": truncated, "path": None}) == (None, "undecodable")
+    for value in [None, 3, b"", {"bytes": None, "path": None}, "/no/such/file.jpg"]:
+        assert decode_image(value) == (None, "undecodable")
+    assert decode_image(_grey(50, (40, 31), "RGB")) == (None, "too_small")
+    assert decode_image(_grey(50, (40, 31), "RGB"), min_size=31)[1] is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Transforms and resizing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_train_transform_shape_and_normalisation():
+    grey = Image.new("RGB", (70, 50), (128, 128, 128))
+    output = build_transform(RESOLUTION, train=True)(grey)
+    assert type(output) is torch.Tensor and output.shape == (3, RESOLUTION, RESOLUTION)
+    assert output.dtype == torch.float32
+    assert torch.isfinite(output).all()
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8))
+    assert build_transform(28, train=True)(photo).shape == (3, 28, 28)  # patch-14 teachers
+
+
+def test_eval_transform_is_resize_then_center_crop():
+    photo = Image.fromarray(np.random.default_rng(1).integers(0, 256, (60, 90, 3), dtype=np.uint8))
+    output = build_transform(RESOLUTION, train=False)(photo)
+    short = round(1.125 * RESOLUTION)  # 36: the 90x60 image becomes 54x36
+    resized = photo.resize((54, short), Image.Resampling.BICUBIC)
+    left, top = (54 - RESOLUTION) // 2, (short - RESOLUTION) // 2
+    crop = resized.crop((left, top, left + RESOLUTION, top + RESOLUTION))
+    expected = (torch.from_numpy(np.array(crop)).permute(2, 0, 1).float() / 255 - MEAN) / STD
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(build_transform(RESOLUTION, train=False)(photo), output, atol=0, rtol=0)
+
+    mid_grey = build_transform(RESOLUTION, train=False)(Image.new("RGB", (40, 40), (128, 128, 128)))
+    torch.testing.assert_close(mid_grey, ((128 / 255 - MEAN) / STD).expand(3, RESOLUTION, RESOLUTION))
+    assert torch.allclose(mid_grey, ((0.5 - MEAN) / STD).expand_as(mid_grey), atol=0.02)
+
+
+@pytest.mark.parametrize("resolution", [0, -16, 2.5, None])
+def test_bad_resolution(resolution):
+    with pytest.raises(ValueError, match="resolution"):
+        build_transform(resolution, train=True)
+    with pytest.raises(ValueError, match="resolution"):
+        resize_batch(torch.zeros(1, 3, 8, 8), resolution)
+
+
+def test_resize_batch():
+    batch = torch.randn(2, 3, 48, 48)
+    assert resize_batch(batch, 48) is batch
+    assert resize_batch(batch, 32).shape == (2, 3, 32, 32)
+    assert resize_batch(batch, 64).shape == (2, 3, 64, 64)
+    half = resize_batch(batch.bfloat16(), 16)
+    assert half.shape == (2, 3, 16, 16) and half.dtype == torch.bfloat16
+    constant = torch.full((1, 3, 40, 40), 0.7)
+    torch.testing.assert_close(resize_batch(constant, 20), torch.full((1, 3, 20, 20), 0.7))
+    with pytest.raises(ValueError, match="shape"):
+        resize_batch(torch.zeros(3, 8, 8), 4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The stream
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_stream_reports_bad_images_and_keeps_going(image_folder):
+    items = list(_stream(_load(str(image_folder))))
+    assert len(items) == 15
+    assert Counter(item["skipped"] for item in items if item["pixel_values"] is None) == Counter(
+        {"undecodable": 2, "too_small": 1}
+    )
+    good = [item["pixel_values"] for item in items if item["pixel_values"] is not None]
+    assert all(x.shape == (3, RESOLUTION, RESOLUTION) and x.dtype == torch.float32 for x in good)
+
+    batches = list(torch.utils.data.DataLoader(items, batch_size=4, collate_fn=collate_images))
+    assert sum(batch["num_skipped"] for batch in batches) == 3
+    assert sum((batch["skipped_reasons"] for batch in batches), Counter()) == Counter(
+        {"undecodable": 2, "too_small": 1}
+    )
+    assert sum(batch["pixel_values"].shape[0] for batch in batches if batch["pixel_values"] is not None) == 12
+
+
+def test_collate_all_skipped():
+    batch = collate_images([{"pixel_values": None, "skipped": "too_small"}] * 2)
+    assert batch == {"pixel_values": None, "num_skipped": 2, "skipped_reasons": Counter({"too_small": 2})}
+    good = collate_images([{"pixel_values": torch.zeros(3, 4, 4)}, {"pixel_values": None, "skipped": "undecodable"}])
+    assert good["pixel_values"].shape == (1, 3, 4, 4) and good["num_skipped"] == 1
+
+
+@pytest.mark.parametrize("source, world_size", [("image_folder", 2), ("parquet_folder", 2), ("parquet_folder", 3)])
+def test_ranks_read_disjoint_parts(request, source, world_size):
+    dataset = _load(str(request.getfixturevalue(source)))
+    parts = [_keys(_stream(dataset, train=False, rank=rank, world_size=world_size)) for rank in range(world_size)]
+    assert all(parts)
+    assert sorted(itertools.chain(*parts)) == list(range(12))  # disjoint, and everything once
+
+
+def _worker_batches(stream, **kwargs):
+    loader = torch.utils.data.DataLoader(stream, batch_size=2, num_workers=2, collate_fn=collate_images, **kwargs)
+    return list(loader)
+
+
+def test_dataloader_workers_single_shard_folder(image_folder):
+    """A streamed folder is one shard: both workers walk it and each decodes every other example."""
+    dataset = _load(str(image_folder))
+    assert dataset.num_shards == 1
+    batches = _worker_batches(_stream(dataset, train=False))
+    assert sum(batch["num_skipped"] for batch in batches) == 3
+    keys = [_key(x) for batch in batches if batch["pixel_values"] is not None for x in batch["pixel_values"]]
+    assert sorted(keys) == list(range(12))  # no duplicates, nothing missing
+
+    # Round robin over the same stream: each example gets the same augmentation as without workers.
+    single = [item["pixel_values"] for item in _stream(dataset) if item["pixel_values"] is not None]
+    batches = _worker_batches(_stream(dataset))
+    multi = [x for batch in batches if batch["pixel_values"] is not None for x in batch["pixel_values"]]
+    assert len(multi) == len(single) == 12
+    assert sorted(next(i for i, y in enumerate(single) if torch.equal(x, y)) for x in multi) == list(range(12))
+
+
+def test_dataloader_workers_whole_shards(parquet_folder):
+    dataset = _load(str(parquet_folder))
+    assert dataset.num_shards == 4
+    for world_size in (1, 2):
+        keys = []
+        for rank in range(world_size):
+            stream = _stream(dataset, train=False, rank=rank, world_size=world_size)
+            keys += [_key(x) for batch in _worker_batches(stream) for x in batch["pixel_values"]]
+        assert sorted(keys) == list(range(12))
+
+
+def test_stream_is_deterministic_and_leaves_global_rng_alone(image_folder):
+    dataset = _load(str(image_folder))
+    torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    first = list(_stream(dataset, seed=3))
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert random.getstate() == python_state
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_state))
+
+    second = list(_stream(dataset, seed=3))
+    assert len(first) == len(second) == 15
+    for a, b in zip(first, second):
+        assert a.get("skipped") == b.get("skipped")
+        assert (a["pixel_values"] is None and b["pixel_values"] is None) or torch.equal(
+            a["pixel_values"], b["pixel_values"]
+        )
+
+    order = _keys(_stream(dataset, train=False, seed=3))
+    assert _keys(_stream(dataset, train=False, seed=3)) == order
+    next_epoch = _stream(dataset, train=False, seed=3)
+    next_epoch.set_epoch(1)
+    assert next_epoch.epoch == 1
+    assert sorted(_keys(next_epoch)) == sorted(order) and _keys(next_epoch) != order
+
+
+def test_skipping_consumed_items_replays_the_rest_exactly(image_folder):
+    """The resume property: a rebuilt stream, with the first k items discarded, continues bit for bit."""
+    dataset = _load(str(image_folder))
+    stream = _stream(dataset, seed=5)
+    stream.set_epoch(2)
+    full = list(stream)
+    for k in (1, 7):
+        resumed = _stream(dataset, seed=5)
+        resumed.set_epoch(2)
+        rest = list(itertools.islice(resumed, k, None))
+        assert len(rest) == len(full) - k
+        for a, b in zip(full[k:], rest):
+            assert a.get("skipped") == b.get("skipped")
+            assert a["pixel_values"] is None or torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+def test_persistent_workers_follow_set_epoch(parquet_folder):
+    dataset = _load(str(parquet_folder))
+    stream = _stream(dataset, train=False)
+    loader = torch.utils.data.DataLoader(
+        stream, batch_size=3, num_workers=2, persistent_workers=True, collate_fn=collate_images
+    )
+    epochs = []
+    for epoch in range(2):
+        stream.set_epoch(epoch)
+        epochs.append([_key(x) for batch in loader for x in batch["pixel_values"]])
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(12))
+    assert epochs[0] != epochs[1]
+
+
+def test_image_stream_argument_errors(image_folder):
+    dataset = _load(str(image_folder))
+    transform = build_transform(RESOLUTION, train=False)
+    with pytest.raises(ValueError, match=r"'pixels' not found.*\['image'\]"):
+        ImageStream(dataset, "pixels", transform, seed=0)
+    with pytest.raises(ValueError, match="rank"):
+        ImageStream(dataset, "image", transform, seed=0, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="seed"):
+        ImageStream(dataset, "image", transform, seed=-1)
+
+
+def test_unshuffled_stream_keeps_the_stored_order_every_epoch(parquet_folder):
+    stream = _stream(_load(str(parquet_folder)), train=False, shuffle_buffer_size=0)
+    assert _keys(stream) == list(range(12))
+    stream.set_epoch(3)
+    assert _keys(stream) == list(range(12))
