@@ -30,7 +30,9 @@ case "$job" in
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
     main)
-        exec "$VENV/bin/python" -m veca_hf.demo "$@"
+        # Real photos from the scikit-image / scikit-learn wheels, then a small distillation on 2 CPU cores.
+        "$VENV/bin/python" -m veca_hf.offline_assets photos outputs/demo/photos
+        exec "$VENV/bin/python" examples/distill.py examples/configs/demo_cpu.yaml "$@"
         ;;
     *)
         echo "unknown job '$job': use 'bash run.sh' (main job) or 'bash run.sh test'" >&2

@@ -18,6 +18,7 @@ from itertools import islice
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -115,15 +116,20 @@ class DistillationArguments:
     teacher_dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | wandb | all."})
     gradient_checkpointing: bool = False
+    log_sample_sources: bool = field(
+        default=False, metadata={"help": "Append 'step<TAB>image source' per training image to sample_sources/rank{r}.txt."}
+    )
 
 
-def parse_args() -> tuple[ModelArguments, DataArguments, DistillationArguments]:
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DistillationArguments]:
+    """Flags, or a JSON / YAML file of them as the first argument (later flags override the file)."""
     parser = HfArgumentParser((ModelArguments, DataArguments, DistillationArguments))
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        return parser.parse_json_file(sys.argv[1])
-    if len(sys.argv) == 2 and sys.argv[1].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(sys.argv[1])
-    return parser.parse_args_into_dataclasses()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].endswith((".json", ".yaml", ".yml")):
+        text = Path(argv[0]).read_text()
+        values = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
+        argv = [item for key, value in values.items() for item in (f"--{key}", str(value))] + argv[1:]
+    return parser.parse_args_into_dataclasses(args=argv)
 
 
 def build_student_config(model_args: ModelArguments) -> VecaConfig:
@@ -254,9 +260,10 @@ def main():
     # Held-out images and their teacher targets, computed once (the teacher is frozen).
     validation_stream = ImageStream(validation_dataset, image_column, build_transform(validation_resolution, train=False),
                                     seed=args.seed, shuffle_buffer_size=1, **stream_kwargs)
-    validation_batches = []
+    validation_batches, validation_skipped = [], 0
     for batch in torch.utils.data.DataLoader(validation_stream, batch_size=args.per_device_eval_batch_size,
                                              collate_fn=collate_images):
+        validation_skipped += batch["num_skipped"]
         if batch["pixel_values"] is None:
             continue
         pixel_values = batch["pixel_values"].to(accelerator.device)
@@ -294,11 +301,15 @@ def main():
     def checkpoint_now():
         save_checkpoint(
             accelerator, checkpoints_dir, global_step,
-            training_state={"step": global_step, "args": {**asdict(model_args), **asdict(data_args), **asdict(args)}},
+            training_state={"step": global_step, "num_processes": accelerator.num_processes, "args": {**asdict(model_args), **asdict(data_args), **asdict(args)}},
             process_state={**position, "images_seen": images_seen, "skipped_images": skipped},
             total_limit=args.checkpoints_total_limit,
         )
 
+    sources_file = None
+    if args.log_sample_sources:
+        (output_dir / "sample_sources").mkdir(parents=True, exist_ok=True)
+        sources_file = open(output_dir / "sample_sources" / f"rank{accelerator.process_index}.txt", "a", buffering=1)
     progress = tqdm(total=args.max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process,
                     desc="distill")
     validation_results = None
@@ -311,6 +322,8 @@ def main():
                 skipped += batch["num_skipped"]
                 batch = next(batches)
             skipped += batch["num_skipped"]
+            if sources_file is not None:
+                sources_file.writelines(f"{global_step}\t{source}\n" for source in batch["sources"])
             pixel_values = resize_batch(batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution)
             teacher_start = time.perf_counter()
             targets = compute_teacher_targets(teacher, pixel_values, student_config.patch_size,
@@ -347,6 +360,8 @@ def main():
             validation_results = validate(model, validation_batches, budgets, accelerator)
             accelerator.log({f"validation/loss_C{b}": r["loss"] for b, r in validation_results.items()}, step=global_step)
     progress.close()
+    if sources_file is not None:
+        sources_file.close()
 
     # Final student: save_pretrained + image processor, loadable with AutoModel.from_pretrained.
     accelerator.wait_for_everyone()
@@ -358,6 +373,7 @@ def main():
         VecaImageProcessor(size={"shortest_edge": round(crop * 1.125)}, crop_size={"height": crop, "width": crop}
                            ).save_pretrained(output_dir)
         summary = {"step": global_step, "images_seen_main_process": images_seen, "skipped_images": skipped,
+                   "skipped_validation_images": validation_skipped,
                    "validation": {str(b): r for b, r in (validation_results or {}).items()}}
         (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
         if validation_results:

@@ -329,9 +329,11 @@ def test_stream_reports_bad_images_and_keeps_going(image_folder):
 
 def test_collate_all_skipped():
     batch = collate_images([{"pixel_values": None, "skipped": "too_small"}] * 2)
-    assert batch == {"pixel_values": None, "num_skipped": 2, "skipped_reasons": Counter({"too_small": 2})}
-    good = collate_images([{"pixel_values": torch.zeros(3, 4, 4)}, {"pixel_values": None, "skipped": "undecodable"}])
-    assert good["pixel_values"].shape == (1, 3, 4, 4) and good["num_skipped"] == 1
+    assert batch == {"pixel_values": None, "num_skipped": 2, "skipped_reasons": Counter({"too_small": 2}), "sources": []}
+    good = collate_images(
+        [{"pixel_values": torch.zeros(3, 4, 4), "source": "a.jpg"}, {"pixel_values": None, "skipped": "undecodable"}]
+    )
+    assert good["pixel_values"].shape == (1, 3, 4, 4) and good["num_skipped"] == 1 and good["sources"] == ["a.jpg"]
 
 
 @pytest.mark.parametrize("source, world_size", [("image_folder", 2), ("parquet_folder", 2), ("parquet_folder", 3)])

@@ -413,9 +413,10 @@ class ImageStream(torch.utils.data.IterableDataset):
             Images with a shorter side below this are skipped as `"too_small"`.
 
     Yields:
-        `dict`: `{"pixel_values": tensor}` with the transform's output (e.g. `(3, r, r)`), or
-        `{"pixel_values": None, "skipped": reason}` for an unusable image (`"undecodable"` or `"too_small"`), so that
-        the count survives worker processes. Batch with `collate_images`.
+        `dict`: `{"pixel_values": tensor, "source": str}` with the transform's output (e.g. `(3, r, r)`) and the
+        example's file path (or a stream position when it has none), or `{"pixel_values": None, "skipped": reason,
+        "source": str}` for an unusable image (`"undecodable"` or `"too_small"`), so that the count survives worker
+        processes. Batch with `collate_images`.
     """
 
     def __init__(
@@ -501,12 +502,15 @@ class ImageStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         epoch = self.epoch
         for stream, index, value in self._indexed_values(self._rank_dataset(epoch)):
+            # Where the example came from (its file when known), for auditing the data order of a run.
+            path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
+            source = path or f"rank{self.rank}/stream{stream}/{index}"
             image, reason = decode_image(value, min_size=self.min_image_size)
             if image is None:
-                yield {"pixel_values": None, "skipped": reason}
+                yield {"pixel_values": None, "skipped": reason, "source": source}
                 continue
             pixel_values = self._transform(image, _sample_seed(self.seed, epoch, self.rank, stream, index))
-            yield {"pixel_values": pixel_values}  # (3, r, r)
+            yield {"pixel_values": pixel_values, "source": source}  # (3, r, r)
 
 
 def collate_images(examples: list[dict]) -> dict:
@@ -519,8 +523,8 @@ def collate_images(examples: list[dict]) -> dict:
 
     Returns:
         `dict` with `pixel_values` (`torch.Tensor` of shape `(B', 3, H, W)` stacking the usable images, or `None`
-        when every image of the batch was skipped; callers must then skip the step), `num_skipped` (`int`) and
-        `skipped_reasons` (`collections.Counter` of reason -> count).
+        when every image of the batch was skipped; callers must then skip the step), `num_skipped` (`int`),
+        `skipped_reasons` (`collections.Counter` of reason -> count) and `sources` (the usable images' sources).
     """
     pixel_values = [example["pixel_values"] for example in examples if example.get("pixel_values") is not None]
     skipped_reasons = Counter(
@@ -530,4 +534,5 @@ def collate_images(examples: list[dict]) -> dict:
         "pixel_values": torch.stack(pixel_values) if pixel_values else None,  # (B', 3, H, W)
         "num_skipped": sum(skipped_reasons.values()),
         "skipped_reasons": skipped_reasons,
+        "sources": [example.get("source") for example in examples if example.get("pixel_values") is not None],
     }

@@ -1,0 +1,152 @@
+"""examples/distill.py end to end: single process, two processes, corrupt images, kill-and-resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config, tiny_dinov3_config
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModel, DINOv3ViTModel
+
+from veca_hf import VecaModel
+
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "examples" / "distill.py"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny teacher, a tiny student config, and an image folder of 24 distinct images plus one corrupt file."""
+    root = tmp_path_factory.mktemp("distill")
+    torch.manual_seed(0)
+    DINOv3ViTModel(tiny_dinov3_config()).save_pretrained(root / "teacher")
+    tiny_config().save_pretrained(root / "student")
+    images = root / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(24):
+        array = rng.integers(0, 256, (72 + index % 5 * 8, 80, 3), dtype=np.uint8)
+        Image.fromarray(array).save(images / f"img_{index:02d}.jpg")
+    (images / "zz_corrupt.jpg").write_bytes(b"not a jpeg at all" * 10)  # sorts last: lands in the training stream
+    return root
+
+
+def distill_args(workspace: Path, output_dir: Path, **overrides) -> list[str]:
+    values = {
+        "teacher_name_or_path": workspace / "teacher",
+        "student_config": workspace / "student",
+        "dataset_name": workspace / "images",
+        "output_dir": output_dir,
+        "resolution": 32,
+        "validation_size": 4,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "max_train_steps": 4,
+        "warmup_steps": 1,
+        "learning_rate": 1e-3,
+        "min_learning_rate": 1e-4,
+        "budgets": "8,16",
+        "budget_weights": "1,1",
+        "checkpointing_steps": 2,
+        "validation_steps": 2,
+        "dataloader_num_workers": 0,
+        "shuffle_buffer_size": 8,
+        "seed": 0,
+    }
+    values.update(overrides)
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
+def run_env() -> dict:
+    # One thread per process: the runs compared for bit-exactness must use identical kernels.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_distill(args: list[str], launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = (launcher or [sys.executable]) + [str(SCRIPT)] + args
+    env = {**run_env(), "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tmp_path):
+    output_dir = tmp_path / "run"
+    # 6 steps x 4 images > the 21 training files: the whole first epoch, corrupt file included, is read.
+    result = run_distill(
+        distill_args(workspace, output_dir, log_sample_sources="true", max_train_steps=6, checkpointing_steps=3)
+    )
+    assert "Validation loss per budget" in result.stdout and "| 8 |" in result.stdout and "| 16 |" in result.stdout
+    summary = json.loads((output_dir / "distill_results.json").read_text())
+    assert summary["step"] == 6
+    assert summary["skipped_images"] >= 1  # the corrupt file was skipped, counted, and the run went on
+    assert set(summary["validation"]) == {"8", "16"}
+    assert sorted(p.name for p in (output_dir / "checkpoints").iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    model = AutoModel.from_pretrained(output_dir)
+    assert isinstance(model, VecaModel)
+    assert model(torch.randn(1, 3, 32, 32), num_core_tokens=8).last_hidden_state.shape == (1, 8 + 4, 64)
+    sources = (output_dir / "sample_sources" / "rank0.txt").read_text().splitlines()
+    assert len(sources) >= 6 * 4 - 1 and not any("corrupt" in line for line in sources)
+
+
+def test_two_processes_stream_disjoint_data_and_save_a_loadable_model(workspace, tmp_path):
+    output_dir = tmp_path / "ddp"
+    # NOTE: `accelerate launch --cpu --num_processes 2` needs MPI (mpirun); the torchrun launcher behind
+    # `--multi_gpu` plus ACCELERATE_USE_CPU=true gives 2 gloo processes on CPU.
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533"]
+    # 2 ranks x 2 steps x 4 images = 16 <= the 20 training images: within one epoch nothing may repeat.
+    run_distill(distill_args(workspace, output_dir, max_train_steps=2, log_sample_sources="true"), launcher=launcher)
+    seen = [
+        [line.split("\t")[1] for line in (output_dir / "sample_sources" / f"rank{rank}.txt").read_text().splitlines()]
+        for rank in range(2)
+    ]
+    assert all(len(part) >= 7 for part in seen)
+    assert set(seen[0]).isdisjoint(seen[1])
+    assert len(set(seen[0])) == len(seen[0]) and len(set(seen[1])) == len(seen[1])
+    checkpoint = output_dir / "checkpoints" / "checkpoint-2"
+    assert (checkpoint / "process_state_0.json").is_file() and (checkpoint / "process_state_1.json").is_file()
+    assert json.loads((checkpoint / "training_state.json").read_text())["num_processes"] == 2
+    assert isinstance(AutoModel.from_pretrained(output_dir), VecaModel)
+
+
+def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path):
+    steps = {"max_train_steps": 6, "checkpointing_steps": 2, "validation_steps": 100, "dataloader_num_workers": 2}
+    reference_dir, resumed_dir = tmp_path / "uninterrupted", tmp_path / "killed"
+    run_distill(distill_args(workspace, reference_dir, **steps))
+
+    # Start the same run, SIGKILL it once checkpoint-2 is complete, then resume from "latest".
+    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **steps)
+    process = subprocess.Popen(command, env=run_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (resumed_dir / "checkpoints" / "checkpoint-2").is_dir():
+        assert process.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (resumed_dir / "model.safetensors").exists()  # it really died before finishing
+    run_distill(distill_args(workspace, resumed_dir, resume_from_checkpoint="latest", **steps))
+
+    reference, resumed = load_file(reference_dir / "model.safetensors"), load_file(resumed_dir / "model.safetensors")
+    assert reference.keys() == resumed.keys()
+    for key in reference:
+        assert torch.equal(reference[key], resumed[key]), key
+    assert json.loads((resumed_dir / "distill_results.json").read_text())["step"] == 6
+    assert not list((resumed_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
+    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "bad", budgets="8,12")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
+    assert result.returncode != 0
+    assert "--budgets entry=12 is not a valid budget" in result.stderr
