@@ -133,13 +133,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 
 
 def build_student_config(model_args: ModelArguments) -> VecaConfig:
-    if model_args.student_config:
-        config = VecaConfig.from_pretrained(model_args.student_config)
-    else:
-        config = VecaConfig.from_preset(model_args.student_preset or "veca-b16")
-    if model_args.student_overrides:
-        config = VecaConfig(**{**config.to_dict(), **json.loads(model_args.student_overrides)})
-    return config
+    overrides = json.loads(model_args.student_overrides) if model_args.student_overrides else {}
+    if not model_args.student_config:
+        return VecaConfig.from_preset(model_args.student_preset or "veca-b16", **overrides)
+    config = VecaConfig.from_pretrained(model_args.student_config)
+    if not overrides:
+        return config
+    values = config.to_dict()
+    for key in ("out_features", "out_indices", "stage_names"):  # backbone stages follow num_hidden_layers
+        values.pop(key, None)
+    return VecaConfig(**{**values, **overrides})
 
 
 def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, epoch: int, skip_batches: int, position: dict):
