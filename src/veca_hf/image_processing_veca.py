@@ -1,16 +1,4 @@
-# Copyright 2025 The VECA Authors. All rights reserved.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """Image processor class for VECA (PIL / NumPy backend).
 
 VECA's evaluation preprocessing (spec section 5) is the classic "resize-shortest-edge, then center-crop" recipe:
@@ -36,7 +24,26 @@ from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.processing_utils import ImagesKwargs, Unpack
 
 
-class VecaImageProcessor(PilBackend):
+class VecaImageProcessingDefaults:
+    """VECA's preprocessing settings (spec section 5), shared by the PIL and the torchvision processors."""
+
+    model_input_names = ["pixel_values"]
+
+    resample = PILImageResampling.BICUBIC
+    image_mean = IMAGENET_DEFAULT_MEAN
+    image_std = IMAGENET_DEFAULT_STD
+    size = {"shortest_edge": 288}
+    default_to_square = False
+    crop_size = {"height": 256, "width": 256}
+    do_resize = True
+    do_center_crop = True
+    do_rescale = True
+    rescale_factor = 1 / 255
+    do_normalize = True
+    do_convert_rgb = True
+
+
+class VecaImageProcessor(VecaImageProcessingDefaults, PilBackend):
     r"""
     Constructs a VECA image processor (PIL / NumPy backend, no torchvision required).
 
@@ -84,21 +91,6 @@ class VecaImageProcessor(PilBackend):
     torch.Size([1, 3, 256, 256])
     ```
     """
-
-    model_input_names = ["pixel_values"]
-
-    resample = PILImageResampling.BICUBIC
-    image_mean = IMAGENET_DEFAULT_MEAN
-    image_std = IMAGENET_DEFAULT_STD
-    size = {"shortest_edge": 288}
-    default_to_square = False
-    crop_size = {"height": 256, "width": 256}
-    do_resize = True
-    do_center_crop = True
-    do_rescale = True
-    rescale_factor = 1 / 255
-    do_normalize = True
-    do_convert_rgb = True
 
     def __init__(self, **kwargs: Unpack[ImagesKwargs]):
         super().__init__(**kwargs)
