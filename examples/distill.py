@@ -10,20 +10,22 @@ See docs/training.md for the paper's recipe as flags, multi-GPU / multi-node / D
 """
 
 import json
-import math
+import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
 
+import datasets
 import torch
+import transformers
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModel, HfArgumentParser, get_cosine_with_min_lr_schedule_with_warmup
-from transformers.utils import logging
 
 from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
 from veca_hf.checkpointing import load_checkpoint, resolve_resume_path, save_checkpoint
@@ -39,7 +41,7 @@ from veca_hf.distillation import (
 from veca_hf.offline_assets import resolve_teacher
 
 
-logger = logging.get_logger("veca_hf.distill")
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -212,7 +214,13 @@ def main():
         # A step at budget C < M leaves the later core chunks unused.
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
     )
-    logging.set_verbosity_info() if accelerator.is_main_process else logging.set_verbosity_error()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    # Our progress at INFO on the main process; the libraries' (config dumps, load reports) only from WARNING.
+    if accelerator.is_main_process:
+        transformers.utils.logging.set_verbosity_warning()
+    else:
+        transformers.utils.logging.set_verbosity_error()
+    datasets.utils.logging.set_verbosity_warning()
     set_seed(args.seed)
 
     # Teacher: frozen, eval mode, outside the optimiser.
