@@ -139,8 +139,8 @@ def test_parameter_groups_keep_weight_decay_off_cores_coordinates_norms_and_bias
     no_decay_names = {names[id(p)] for p in no_decay["params"]}
     decay_names = {names[id(p)] for p in decay["params"]}
     assert {"embeddings.core_tokens.0", "embeddings.core_coordinates.1", "encoder.core_coordinate_heads.0.step"} <= no_decay_names
-    assert "norm.weight" in no_decay_names and "encoder.layer.0.attention.q_proj.bias" in no_decay_names
-    assert "encoder.layer.0.attention.q_proj.weight" in decay_names
+    assert "norm.weight" in no_decay_names and "encoder.layer.0.attention.qkv_proj.bias" in no_decay_names
+    assert "encoder.layer.0.attention.qkv_proj.weight" in decay_names
     assert "embeddings.patch_embeddings.weight" in decay_names
     assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
     assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0

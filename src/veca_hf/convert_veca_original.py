@@ -169,7 +169,24 @@ def convert_state_dict(state_dict: dict[str, torch.Tensor], config: VecaConfig) 
         converted[new_key] = value.contiguous()
     if unknown:
         raise ValueError(f"Unrecognised keys in the reference checkpoint (not converted): {unknown}.")
-    return converted
+    return fuse_qkv(converted)
+
+
+def fuse_qkv(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacks each layer's `q_proj`, `k_proj`, `v_proj` rows into the fused `qkv_proj` (in that order)."""
+    fused = {}
+    for key, value in state_dict.items():
+        match = re.fullmatch(r"(encoder\.layer\.\d+\.attention\.)q_proj\.(weight|bias)", key)
+        if match:
+            prefix, kind = match.groups()
+            parts = [f"{prefix}{name}_proj.{kind}" for name in ("q", "k", "v")]
+            missing = [part for part in parts if part not in state_dict]
+            if missing:
+                raise ValueError(f"Incomplete attention projections in the reference checkpoint: missing {missing}.")
+            fused[f"{prefix}qkv_proj.{kind}"] = torch.cat([state_dict[part] for part in parts])
+        elif not re.search(r"attention\.(q|k|v)_proj\.", key):
+            fused[key] = value
+    return fused
 
 
 def convert_checkpoint(
