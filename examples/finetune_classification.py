@@ -1,0 +1,289 @@
+#!/usr/bin/env python
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Fine-tune a VECA model for image classification with `Trainer`, and evaluate it at several budgets.
+
+The shape of transformers' `examples/pytorch/image-classification/run_image_classification.py`, plus the budget:
+
+```bash
+python examples/finetune_classification.py \
+    --model_name_or_path path/to/veca-b16 --train_dir data/train --validation_dir data/validation \
+    --output_dir outputs/veca-b16-finetuned --do_train --do_eval \
+    --sample_budgets --eval_budgets 8,16,32,64 \
+    --learning_rate 5e-5 --weight_decay 0.05 --num_train_epochs 3 --per_device_train_batch_size 32
+```
+
+Data: `--dataset_name` (a Hub dataset id, or a local folder `datasets.load_dataset` understands) or
+`--train_dir`/`--validation_dir` image folders (one sub-folder per class). The label names go into the config
+(`id2label`, `label2id`). Budget: `--num_core_tokens C` trains at C and makes C the saved model's
+`default_num_core_tokens`; `--sample_budgets` draws one budget per optimiser step from `--budgets` with
+`--budget_weights`. Each budget of `--eval_budgets` is evaluated after training; `all_results.json` in the output
+folder holds the train metrics and `eval_C{C}_accuracy`, `eval_C{C}_loss`, ... for each budget.
+
+Any `TrainingArguments` flag works (`--use_cpu`, `--report_to none`, `--eval_strategy epoch`, ...); arguments can also
+come from one JSON or YAML file: `python examples/finetune_classification.py args.yaml`. See docs/budget_picker.md.
+"""
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import datasets
+import numpy as np
+import torch
+import transformers
+from datasets import load_dataset
+from torchvision.transforms import v2
+from transformers import AutoImageProcessor, AutoModelForImageClassification, HfArgumentParser, TrainingArguments
+
+import veca_hf  # noqa: F401  (registers VECA with the Auto classes)
+from veca_hf.distillation import DEFAULT_BUDGET_WEIGHTS, DEFAULT_BUDGETS, BudgetSampler
+from veca_hf.metrics import load_metric
+from veca_hf.training import VecaTrainer, evaluate_budgets
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    """Which model and image processor to fine-tune."""
+
+    model_name_or_path: str = field(metadata={"help": "A VECA folder or Hub id (VecaModel or a classifier)."})
+    image_processor_name: str | None = field(
+        default=None, metadata={"help": "Image processor folder or Hub id, if not the model's."}
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub downloads."})
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a Hub model."})
+    ignore_mismatched_sizes: bool = field(
+        default=True, metadata={"help": "Replace a classifier head whose number of labels differs (new head)."}
+    )
+
+
+@dataclass
+class DataTrainingArguments:
+    """Which data to train and evaluate on."""
+
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hub dataset id or a local dataset folder."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
+    train_dir: str | None = field(default=None, metadata={"help": "An image folder with one sub-folder per class."})
+    validation_dir: str | None = field(default=None, metadata={"help": "The same, for validation."})
+    train_val_split: float = field(
+        default=0.15, metadata={"help": "Fraction of train held out for validation when there is no validation split."}
+    )
+    image_column_name: str = field(default="image", metadata={"help": "The column holding the images."})
+    label_column_name: str = field(default="label", metadata={"help": "The column holding the labels."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training images."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many validation images."})
+
+    def __post_init__(self):
+        if self.dataset_name is None and self.train_dir is None and self.validation_dir is None:
+            raise ValueError("Pass --dataset_name, or --train_dir and/or --validation_dir.")
+
+
+@dataclass
+class BudgetArguments:
+    """How many cores (the budget C) to train and evaluate with."""
+
+    num_core_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Training budget (without --sample_budgets), saved as the model's default budget."},
+    )
+    sample_budgets: bool = field(default=False, metadata={"help": "Draw the budget of every optimiser step."})
+    budgets: str | None = field(
+        default=None, metadata={"help": "Budgets to draw from, e.g. '8,16,32,64' (default: all of the model's)."}
+    )
+    budget_weights: str | None = field(
+        default=None,
+        metadata={"help": "Their weights, e.g. '1,1,2,2' (default: 1,1,2,2,3,3,4,4 for 8..64, else equal)."},
+    )
+    eval_budgets: str | None = field(
+        default=None,
+        metadata={"help": "Budgets to evaluate at, e.g. '8,16,64' (default: smallest, training default, largest)."},
+    )
+
+
+def parse_ints(text: str | None, cast=int) -> list | None:
+    """'8, 16,64' -> [8, 16, 64]; None stays None."""
+    return None if text is None else [cast(part) for part in text.replace(" ", "").split(",") if part]
+
+
+def image_transforms(image_processor) -> tuple[v2.Compose, v2.Compose]:
+    """Train (random resized crop + flip) and eval (resize + centre crop) transforms at the processor's sizes."""
+
+    def get(size, key):
+        return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+    size, crop_size = image_processor.size, getattr(image_processor, "crop_size", None)
+    if get(size, "shortest_edge"):
+        resize = get(size, "shortest_edge")
+    else:
+        resize = (get(size, "height"), get(size, "width"))
+    if getattr(image_processor, "do_center_crop", False) and crop_size:
+        crop = (get(crop_size, "height"), get(crop_size, "width"))
+    else:
+        crop = resize if isinstance(resize, tuple) else (resize, resize)
+    tail = [
+        v2.ToImage(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(mean=list(image_processor.image_mean), std=list(image_processor.image_std)),
+        v2.ToPureTensor(),
+    ]
+    bicubic = {"interpolation": v2.InterpolationMode.BICUBIC, "antialias": True}
+    train = v2.Compose([v2.RandomResizedCrop(crop, **bicubic), v2.RandomHorizontalFlip(), *tail])
+    evaluation = v2.Compose([v2.Resize(resize, **bicubic), v2.CenterCrop(crop), *tail])
+    return train, evaluation
+
+
+def collate_fn(examples: list[dict]) -> dict[str, torch.Tensor]:
+    return {
+        "pixel_values": torch.stack([example["pixel_values"] for example in examples]),
+        "labels": torch.tensor([example["labels"] for example in examples]),
+    }
+
+
+def main():
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, budget_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    elif len(sys.argv) == 2 and sys.argv[1].endswith((".yaml", ".yml")):
+        model_args, data_args, budget_args, training_args = parser.parse_yaml_file(os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, budget_args, training_args = parser.parse_args_into_dataclasses()
+    # NOTE: with `with_transform` the image column must reach the transform; Trainer would drop it otherwise.
+    training_args.remove_unused_columns = False
+
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    logger.info(f"Training/evaluation parameters {training_args}")
+    transformers.set_seed(training_args.seed)
+
+    # Data: a Hub / local dataset, or image folders (labels from the sub-folder names).
+    if data_args.dataset_name is not None:
+        dataset = load_dataset(data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir)
+    else:
+        data_files = {}
+        if data_args.train_dir is not None:
+            data_files["train"] = os.path.join(data_args.train_dir, "**")
+        if data_args.validation_dir is not None:
+            data_files["validation"] = os.path.join(data_args.validation_dir, "**")
+        dataset = load_dataset("imagefolder", data_files=data_files, cache_dir=model_args.cache_dir)
+    for column in (data_args.image_column_name, data_args.label_column_name):
+        if column not in dataset["train"].column_names:
+            raise ValueError(
+                f"Column {column!r} not found; the dataset has {dataset['train'].column_names}. Set "
+                "--image_column_name / --label_column_name."
+            )
+    if "validation" not in dataset and data_args.train_val_split > 0:
+        split = dataset["train"].train_test_split(data_args.train_val_split, seed=training_args.seed)
+        dataset["train"], dataset["validation"] = split["train"], split["test"]
+    if not isinstance(dataset["train"].features[data_args.label_column_name], datasets.ClassLabel):
+        dataset = dataset.class_encode_column(data_args.label_column_name)  # strings / ints -> ClassLabel, all splits
+
+    labels = dataset["train"].features[data_args.label_column_name].names
+    label2id = {label: i for i, label in enumerate(labels)}
+    id2label = dict(enumerate(labels))
+
+    model = AutoModelForImageClassification.from_pretrained(
+        model_args.model_name_or_path,
+        num_labels=len(labels),
+        label2id=label2id,
+        id2label=id2label,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        **({"default_num_core_tokens": budget_args.num_core_tokens} if budget_args.num_core_tokens else {}),
+    )
+    image_processor = AutoImageProcessor.from_pretrained(
+        model_args.image_processor_name or model_args.model_name_or_path,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+    )
+    train_transform, eval_transform = image_transforms(image_processor)
+
+    def transform_batch(transform):
+        def apply(batch):
+            batch["pixel_values"] = [transform(image.convert("RGB")) for image in batch[data_args.image_column_name]]
+            batch["labels"] = batch[data_args.label_column_name]
+            return batch
+
+        return apply
+
+    if training_args.do_train:
+        if data_args.max_train_samples is not None:
+            dataset["train"] = dataset["train"].shuffle(seed=training_args.seed).select(
+                range(data_args.max_train_samples)
+            )
+        dataset["train"] = dataset["train"].with_transform(transform_batch(train_transform))
+    if training_args.do_eval:
+        if "validation" not in dataset:
+            raise ValueError("--do_eval needs a validation split: --validation_dir, or --train_val_split > 0.")
+        if data_args.max_eval_samples is not None:
+            dataset["validation"] = dataset["validation"].shuffle(seed=training_args.seed).select(
+                range(data_args.max_eval_samples)
+            )
+        dataset["validation"] = dataset["validation"].with_transform(transform_batch(eval_transform))
+
+    # Budgets: per-step sampling or one fixed budget for training; a sweep for evaluation.
+    budget_sampler = None
+    if budget_args.sample_budgets:
+        budgets = parse_ints(budget_args.budgets) or model.config.budgets
+        weights = parse_ints(budget_args.budget_weights, float)
+        if weights is None and tuple(budgets) == DEFAULT_BUDGETS:
+            weights = DEFAULT_BUDGET_WEIGHTS
+        budget_sampler = BudgetSampler(budgets, weights, seed=training_args.seed)
+        logger.info(f"Sampling one budget per step from {budgets} with weights {weights or 'equal'}.")
+    default_budget = model.config.default_num_core_tokens or model.config.num_core_tokens
+    eval_budgets = parse_ints(budget_args.eval_budgets) or sorted(
+        {model.config.budgets[0], default_budget, model.config.budgets[-1]}
+    )
+
+    accuracy = load_metric("accuracy")
+
+    def compute_metrics(prediction: transformers.EvalPrediction) -> dict[str, float]:
+        return accuracy.compute(predictions=np.argmax(prediction.predictions, axis=1), references=prediction.label_ids)
+
+    trainer = VecaTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset["train"] if training_args.do_train else None,
+        eval_dataset=dataset["validation"] if training_args.do_eval else None,
+        compute_metrics=compute_metrics,
+        processing_class=image_processor,
+        data_collator=collate_fn,
+        num_core_tokens=budget_args.num_core_tokens,
+        budget_sampler=budget_sampler,
+    )
+
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model()  # model (with label maps and default budget) + image processor
+        trainer.log_metrics("train", train_result.metrics)
+        trainer.save_metrics("train", train_result.metrics)  # train_results.json, merged into all_results.json
+        trainer.save_state()
+
+    if training_args.do_eval:
+        eval_metrics = {}
+        for budget_metrics in evaluate_budgets(trainer, budgets=eval_budgets).values():
+            eval_metrics.update(budget_metrics)
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)  # eval_results.json, merged into all_results.json
+
+    kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "image-classification"}
+    if data_args.dataset_name is not None:
+        kwargs["dataset"] = data_args.dataset_name
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**kwargs)
+    else:
+        trainer.create_model_card(**kwargs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Fine-tuning and serving helpers around the budget `C` (`num_core_tokens`).
+
+- `VecaTrainer`: a `transformers.Trainer` that keeps weight decay off the cores, the core coordinates and the
+  coordinate step scales; trains at a fixed budget or at a budget drawn per optimiser step (as in distillation);
+  and evaluates at a chosen budget.
+- `evaluate_budgets`: `trainer.evaluate` at several budgets, with metrics prefixed `eval_C{C}_`.
+- `pick_budget`: measures the model at every budget on the current device and returns the largest budget whose
+  median latency meets a target.
+
+`examples/finetune_classification.py` is the script that puts these together; see `docs/budget_picker.md`.
+"""
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.utils import logging
+
+from .distillation import BudgetSampler, get_parameter_groups
+
+
+logger = logging.get_logger(__name__)
+
+
+class VecaTrainer(Trainer):
+    """
+    `Trainer` for VECA models: the budget of every forward pass is chosen by the trainer, not the model's config.
+
+    Three things differ from `Trainer`:
+
+    - Weight decay follows `veca_hf.distillation.get_parameter_groups`: no decay on cores, core coordinates,
+      coordinate step scales, norms and biases. (`Trainer`'s default decays everything that is not a norm or a bias,
+      which pulls the cores, and the cores' positions, towards zero.) Only `get_decay_parameter_names` is
+      overridden, so `--optim`, `--optim_args` and the rest of `Trainer.create_optimizer` work as usual.
+    - Training steps run at `budget_sampler(step)` if a sampler is given, else at `num_core_tokens`. The budget is a
+      function of `state.global_step`, so every gradient-accumulation micro-batch of a step, every process and every
+      resumed run uses the same one.
+    - Evaluation and prediction run at `eval_num_core_tokens` (default: `num_core_tokens`). `evaluate_budgets`
+      sweeps it.
+
+    A budget left at `None` is not passed to the model, which then uses `config.default_num_core_tokens` (the whole
+    bank if that is `None` too).
+
+    NOTE: a step at a budget below the bank leaves the unused core chunks without gradients. Under
+    `DistributedDataParallel` that needs `find_unused_parameters=True`, which is `Trainer`'s default for transformers
+    models unless activation checkpointing is on (then set `ddp_find_unused_parameters=True` and non-re-entrant
+    checkpointing).
+
+    Args:
+        num_core_tokens (`int`, *optional*):
+            The training budget when `budget_sampler` is `None`, and the default evaluation budget.
+        budget_sampler (`BudgetSampler`, *optional*):
+            Draws the budget of each training step from its step index, e.g.
+            `BudgetSampler(model.config.budgets, weights=None, seed=args.seed)`.
+        eval_num_core_tokens (`int`, *optional*):
+            The budget for `evaluate` and `predict`; defaults to `num_core_tokens`.
+        args, kwargs:
+            Everything else, as for `Trainer`.
+
+    Example:
+
+    ```python
+    trainer = VecaTrainer(
+        model=model, args=training_args, train_dataset=train, eval_dataset=validation,
+        budget_sampler=BudgetSampler(model.config.budgets, weights=None, seed=training_args.seed),
+        eval_num_core_tokens=16,
+    )
+    trainer.train()
+    ```
+    """
+
+    def __init__(
+        self,
+        *args,
+        num_core_tokens: int | None = None,
+        budget_sampler: BudgetSampler | None = None,
+        eval_num_core_tokens: int | None = None,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.num_core_tokens = num_core_tokens
+        self.budget_sampler = budget_sampler
+        self.eval_num_core_tokens = eval_num_core_tokens
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "check_budget"):  # fail now rather than at the first sampled step
+            for name, budget in (("num_core_tokens", num_core_tokens), ("eval_num_core_tokens", eval_num_core_tokens)):
+                if budget is not None:
+                    config.check_budget(budget, name=name)
+            for budget in budget_sampler.values if budget_sampler is not None else ():
+                config.check_budget(budget, name="a budget of budget_sampler")
+
+    def training_budget(self, step: int) -> int | None:
+        """The budget of optimiser step `step` (`None`: the model's own default)."""
+        return self.budget_sampler(step) if self.budget_sampler is not None else self.num_core_tokens
+
+    @property
+    def evaluation_budget(self) -> int | None:
+        """The budget of `evaluate` and `predict` (`None`: the model's own default)."""
+        return self.eval_num_core_tokens if self.eval_num_core_tokens is not None else self.num_core_tokens
+
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """The parameters `get_parameter_groups` decays: tensors of 2+ dimensions other than cores and coordinates."""
+        decayed = {id(parameter) for parameter in get_parameter_groups(model, self.args.weight_decay)[0]["params"]}
+        return [name for name, parameter in model.named_parameters() if id(parameter) in decayed]
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        budget = self.training_budget(self.state.global_step)
+        if budget is not None:
+            inputs = {**inputs, "num_core_tokens": budget}
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        budget = self.evaluation_budget
+        if budget is not None:
+            inputs = {**inputs, "num_core_tokens": budget}
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+@contextlib.contextmanager
+def _evaluation_budget(trainer: Trainer, budget: int) -> Iterator[None]:
+    """Evaluate at `budget` inside the block: `VecaTrainer.eval_num_core_tokens`, else the model's config default."""
+    if isinstance(trainer, VecaTrainer):
+        owner, attribute = trainer, "eval_num_core_tokens"
+    else:  # a plain Trainer cannot pass the budget; the model reads its config
+        owner, attribute = trainer.model.config, "default_num_core_tokens"
+    previous = getattr(owner, attribute)
+    setattr(owner, attribute, budget)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, previous)
+
+
+def evaluate_budgets(
+    trainer: Trainer, eval_dataset=None, budgets: Sequence[int] | None = None, ignore_keys: list[str] | None = None
+) -> dict[int, dict[str, float]]:
+    """
+    Run `trainer.evaluate` once per budget.
+
+    Args:
+        trainer (`Trainer`):
+            A `VecaTrainer` (its `eval_num_core_tokens` is set for each call), or any `Trainer` whose model has a
+            VECA config (its `config.default_num_core_tokens` is set for each call). Both are restored afterwards.
+        eval_dataset (`Dataset`, *optional*):
+            Defaults to `trainer.eval_dataset`.
+        budgets (`Sequence[int]`, *optional*):
+            Defaults to every budget of the model (`model.config.budgets`).
+        ignore_keys (`list[str]`, *optional*):
+            Passed to `trainer.evaluate`.
+
+    Returns:
+        `dict[int, dict[str, float]]`: budget -> the metrics of that evaluation, keyed `eval_C{C}_<name>`
+        (`eval_C8_loss`, `eval_C8_accuracy`, `eval_C8_runtime`, ...); merge the dicts for `trainer.save_metrics`.
+    """
+    config = trainer.model.config
+    budgets = list(config.budgets if budgets is None else budgets)
+    for budget in budgets:
+        config.check_budget(budget)
+    results = {}
+    for budget in budgets:
+        with _evaluation_budget(trainer, budget):
+            results[budget] = trainer.evaluate(
+                eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=f"eval_C{budget}"
+            )
+    return results
+
+
+@dataclass
+class BudgetChoice:
+    """
+    What `pick_budget` measured and chose.
+
+    Args:
+        num_core_tokens (`int`): the largest budget whose median latency met the target.
+        latencies_ms (`dict[int, float]`): the median forward latency of every measured budget, in milliseconds.
+        latency_target_ms (`float`): the target.
+        image_size (`tuple[int, int]`): `(height, width)` of the measured inputs.
+        batch_size (`int`): images per forward pass.
+        device (`str`): where it was measured.
+    """
+
+    num_core_tokens: int
+    latencies_ms: dict[int, float]
+    latency_target_ms: float
+    image_size: tuple[int, int]
+    batch_size: int
+    device: str
+
+    def table(self) -> str:
+        """The measurements as a Markdown table, the chosen budget marked."""
+        lines = ["| budget | median latency (ms) | fits |", "|---|---|---|"]
+        for budget, latency in self.latencies_ms.items():
+            fits = "yes" if latency <= self.latency_target_ms else "no"
+            lines.append(f"| {budget} | {latency:.3f} | {'**chosen**' if budget == self.num_core_tokens else fits} |")
+        return "\n".join(lines)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Waits for queued kernels, so that a timer around a forward pass measures the pass (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(getattr(torch, device.type, None), "synchronize"):  # mps, xpu, ...
+        getattr(torch, device.type).synchronize()
+
+
+def pick_budget(
+    model: nn.Module,
+    image_size: tuple[int, int] | int,
+    latency_target_ms: float,
+    batch_size: int = 1,
+    device: str | torch.device | None = None,
+    budgets: Sequence[int] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> BudgetChoice:
+    """
+    The largest budget that meets a latency target, measured on this machine.
+
+    Every budget is timed: `warmup` untimed forward passes each, then `repeats` timed rounds over all budgets
+    (round-robin, so that a change in machine load affects every budget alike), each pass timed with
+    `time.perf_counter` under `torch.no_grad()` with the device synchronised around it; the latency of a budget is
+    its median. The input is a random batch in the model's dtype. The model is put in eval mode for the measurement
+    and its mode restored afterwards. The choice is the largest budget whose median is at most the target (latency
+    grows with the budget, so in practice every smaller budget fits too; `BudgetChoice.latencies_ms` shows them all).
+
+    Measure what you serve: the same batch size, image size, dtype, attention implementation and, if you use it,
+    `torch.compile`d model (warm-up then absorbs the compilation of each budget; raise `warmup` if a budget
+    recompiles more than once).
+
+    Args:
+        model (`nn.Module`):
+            A VECA model taking `(pixel_values, num_core_tokens=C)`: `VecaModel`, `VecaForImageClassification`,
+            `VecaBackbone`, or a compiled one.
+        image_size (`int` or `tuple[int, int]`):
+            Input side, or `(height, width)`; multiples of the patch size.
+        latency_target_ms (`float`):
+            The largest acceptable median latency of one forward pass of the batch, in milliseconds.
+        batch_size (`int`, *optional*, defaults to 1):
+            Images per forward pass.
+        device (`str` or `torch.device`, *optional*):
+            Where to measure; defaults to the device of the model's parameters. If given, the model is moved there
+            (in place).
+        budgets (`Sequence[int]`, *optional*):
+            The budgets to consider; defaults to every budget of the model (`model.config.budgets`).
+        warmup (`int`, *optional*, defaults to 2):
+            Untimed passes per budget.
+        repeats (`int`, *optional*, defaults to 5):
+            Timed passes per budget (the median is taken over them).
+
+    Returns:
+        [`BudgetChoice`]: the chosen budget and the median latency of every budget.
+
+    Raises:
+        `ValueError`: if even the fastest budget is slower than the target (the message gives the fastest measured
+        latency), or if an argument is invalid.
+    """
+    if not latency_target_ms > 0:
+        raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms!r}.")
+    if batch_size < 1 or warmup < 0 or repeats < 1:
+        raise ValueError(f"Need batch_size >= 1, warmup >= 0 and repeats >= 1; got {batch_size}, {warmup}, {repeats}.")
+    config = model.config
+    budgets = sorted({config.check_budget(int(budget)) for budget in (config.budgets if budgets is None else budgets)})
+    if not budgets:
+        raise ValueError("`budgets` is empty.")
+    height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+    parameter = next(model.parameters())
+    if device is None:
+        device = parameter.device
+    else:
+        device = torch.device(device)
+        model.to(device)
+    pixel_values = torch.randn(batch_size, config.num_channels, height, width, device=device, dtype=parameter.dtype)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for budget in budgets:
+                for _ in range(warmup):
+                    model(pixel_values, num_core_tokens=budget)
+            timings = {budget: [] for budget in budgets}
+            for _ in range(repeats):  # round-robin: a change in machine load hits every budget alike
+                for budget in budgets:
+                    _synchronize(device)
+                    start = time.perf_counter()
+                    model(pixel_values, num_core_tokens=budget)
+                    _synchronize(device)
+                    timings[budget].append((time.perf_counter() - start) * 1e3)
+        latencies_ms = {budget: statistics.median(values) for budget, values in timings.items()}
+    finally:
+        model.train(was_training)
+
+    fitting = [budget for budget, latency in latencies_ms.items() if latency <= latency_target_ms]
+    if not fitting:
+        fastest = min(latencies_ms, key=latencies_ms.get)
+        raise ValueError(
+            f"No budget meets the {latency_target_ms:g} ms target: the fastest measured was "
+            f"{latencies_ms[fastest]:.3f} ms (budget {fastest}, median of {repeats}) for a batch of {batch_size} "
+            f"{height}x{width} images on {device}. Raise the target, or lower the batch size or the image size."
+        )
+    choice = BudgetChoice(
+        num_core_tokens=max(fitting),
+        latencies_ms=latencies_ms,
+        latency_target_ms=latency_target_ms,
+        image_size=(height, width),
+        batch_size=batch_size,
+        device=str(device),
+    )
+    logger.info(f"pick_budget: {choice.num_core_tokens} cores meet {latency_target_ms:g} ms; measured {latencies_ms}")
+    return choice
+
+
+__all__ = ["BudgetChoice", "VecaTrainer", "evaluate_budgets", "pick_budget"]
