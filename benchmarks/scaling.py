@@ -1,0 +1,1075 @@
+#!/usr/bin/env python
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Scaling benchmark: VECA against a transformers `DINOv3ViTModel` of the same width and depth.
+
+Both models have random weights. The DINOv3 config copies VECA's hidden size, depth and heads and takes the MLP of
+the matching DINOv3 release (intermediate 1536 for S, 3072 for B, 4096 for L; plain GELU MLP), 4 register tokens,
+patch 16. Both use the same attention implementation (`--attn_implementation`, default `sdpa`).
+
+For every (mode, batch size, resolution) the models are timed *interleaved*: after the warm-up, each repeat runs
+DINOv3 and then every VECA budget in turn, so that drift on a shared machine affects all alike; each point reports the
+median latency with min and max. Per point the script also records:
+
+- analytic FLOPs (`veca_hf.flops`) and FLOPs counted by `torch.utils.flop_counter` on the meta device (shapes only,
+  no compute), inside `sdpa_kernel(SDPBackend.MATH)`: the counter does not see the CPU flash kernel of SDPA, so
+  attention is counted as its matmuls. Counted must equal analytic (`flops_match`).
+- images/s, achieved FLOP/s (analytic FLOPs / median latency) and that as a fraction of the device's achieved GEMM
+  throughput (`torch.mm` of two `--gemm_size`^2 matrices in the same dtype, measured at the start and the end of the
+  run; the median over all samples is the reference).
+- the share of time spent in attention, from extra calls under `torch.profiler` (`--profile_repeats`, median of
+  the shares; the timed calls carry no hooks): forward pre/post hooks on the attention modules
+  (`VecaCorePeripheryAttention`, `DINOv3ViTAttention`) open a `record_function` range, without touching the model
+  code. `attention_module_share` is the time inside those modules (q/k/v/o projections, RoPE,
+  attention) over the whole forward; `attention_core_share` counts only the attention kernels themselves
+  (`aten::scaled_dot_product_attention`, or the eager `matmul`/`softmax`) inside those modules. Times are the
+  profiler's self CPU times (CPU) or self device times (CUDA). The profiler adds overhead, so shares are
+  approximate; in block mode the module share is ~1 by construction.
+- memory: `forward_peak_mb` is the peak of bytes allocated by torch during the forward above what was allocated
+  before it (activations and outputs; weights and inputs excluded). On CUDA it is
+  `torch.cuda.max_memory_allocated()` minus the allocated bytes before the call, from a separate run. On CPU there is
+  no allocator peak counter (and RSS deltas or `tracemalloc` do not see torch's allocations reliably), so it is the
+  running maximum of the allocation/free events recorded by `torch.profiler(profile_memory=True)` during the
+  profiled calls; with `--no_profile` it is `None` on CPU. `peak_memory_mb` adds the module's weights and the
+  inputs (pixel values, or the block's hidden states).
+
+dtype: `bf16` casts the models (weights and activations) to bfloat16, on CPU and GPU alike; no autocast. RoPE
+cos/sin and softmax follow each model's own code (VECA computes cos/sin in fp32 and casts them to the activation
+dtype; the attention kernels run in bf16). The GEMM reference runs in the same dtype.
+
+Threads: on CPU set `--threads` to the number of cores that are really free. With 2 threads on 2 cores shared with
+other jobs, OpenMP threads waiting on each other made single calls 10-30x slower and the medians meaningless; with 1
+thread the same points were stable and VECA/DINOv3 latency ratios tracked the FLOP ratios.
+
+Modes:
+- `model`: the whole forward, `veca(pixel_values, num_core_tokens=C)` vs `dinov3(pixel_values)`.
+- `block`: one attention block as in the paper's Table S.14 (q/k/v/o projections + attention, no norm, no MLP):
+  `VecaCorePeripheryAttention` on `(B, C + N, D)` hidden states with core and patch RoPE vs transformers'
+  `DINOv3ViTAttention` on `(B, 5 + N, D)` with DINOv3's own patch RoPE.
+- `both`: the two, one after the other.
+
+Outputs in `--output_dir`: `results.json` (machine, command line, GEMM reference, every point, summary),
+`results.md` (a table per mode and batch size, and the summary), `latency_vs_resolution.png` and
+`flops_vs_resolution.png` (log-log; one line per VECA budget plus DINOv3; a row per mode, a column per batch size).
+
+Examples:
+
+    # CPU, VECA-B, the default grid (run it on a quiet machine)
+    python benchmarks/scaling.py --size veca-b16 --threads 8 --output_dir benchmarks/results/b16_cpu_fp32
+    # the attention block only, as Table S.14
+    python benchmarks/scaling.py --size veca-b16 --mode block --batch_sizes 8 --output_dir benchmarks/results/b16_block
+    # GPU, bf16, up to 2048 px
+    python benchmarks/scaling.py --size veca-l16 --device cuda --dtype bf16 \
+        --resolutions 256,512,1024,1536,2048 --batch_sizes 1,8 --output_dir benchmarks/results/l16_cuda_bf16
+    # seconds-long smoke run: tiny widths
+    python benchmarks/scaling.py --tiny --resolutions 64,96 --budgets 8,16 --warmup 0 --repeats 1 --gemm_size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+
+try:  # running from a source checkout without `pip install -e .`
+    import veca_hf  # noqa: F401
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from veca_hf import VecaConfig, VecaModel  # noqa: E402
+from veca_hf.flops import (  # noqa: E402
+    attention_block_flops,
+    count_flops,
+    dinov3_model_flops,
+    num_patches_for,
+    veca_model_flops,
+)
+from veca_hf.modeling_veca import (  # noqa: E402
+    VecaCorePeripheryAttention,
+    VecaRopePositionEmbedding,
+    get_patch_coordinates,
+)
+
+
+DINOV3 = "DINOv3"
+VECA = "VECA"
+FORWARD_TAG = "veca_bench::forward"
+ATTENTION_TAG = "veca_bench::attention"
+# MLP width of the DINOv3 release that each VECA size is distilled from (DINOv3-S/16, -B/16, -L/16: 4 x hidden).
+DINOV3_INTERMEDIATE = {"veca-s16": 1536, "veca-b16": 3072, "veca-l16": 4096}
+# `--tiny`: the same architecture at width 64, depth 2, 2 heads (smoke tests).
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170)
+TINY_DINOV3_INTERMEDIATE = 256
+# Ops that *are* the attention kernel (SDPA, or the eager score/value matmuls and softmax).
+ATTENTION_CORE_OPS = {
+    "aten::scaled_dot_product_attention",
+    "aten::matmul",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::softmax",
+    "aten::_softmax",
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIB = 2**20
+
+
+# --- command line --------------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="VECA vs DINOv3 (same width and depth): latency, FLOPs, memory and attention share.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--size", default="veca-b16", choices=sorted(DINOV3_INTERMEDIATE), help="VECA preset.")
+    parser.add_argument("--tiny", action="store_true", help="Shrink width/depth to 64/2 (smoke tests only).")
+    parser.add_argument("--resolutions", type=_int_list, default=[256, 384, 512, 768, 1024], help="Square sides, px.")
+    parser.add_argument("--budgets", type=_int_list, default=[8, 16, 32, 64], help="VECA budgets C.")
+    parser.add_argument("--batch_sizes", type=_int_list, default=[1])
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="bf16 casts the models (no autocast).")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--mode", default="model", choices=["model", "block", "both"])
+    parser.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"], help="For both models.")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed calls per model and point.")
+    parser.add_argument("--repeats", type=int, default=5, help="Timed calls per model and point (interleaved).")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own).")
+    parser.add_argument("--gemm_size", type=int, default=4096, help="Side of the square torch.mm GEMM reference.")
+    parser.add_argument("--gemm_repeats", type=int, default=5, help="Timed GEMMs at the start and again at the end.")
+    parser.add_argument(
+        "--profile_repeats", type=int, default=3, help="Profiled calls per point (attention share: their median)."
+    )
+    parser.add_argument("--no_profile", action="store_true", help="Skip profiling (attention share, CPU memory).")
+    parser.add_argument("--no_plots", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output_dir", default=None, help="Default: benchmarks/results/<size>_<mode>_<device>_<dtype>[_tiny]."
+    )
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1 or args.profile_repeats < 1:
+        parser.error("--warmup must be >= 0, --repeats and --profile_repeats >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False")
+    for resolution in args.resolutions:
+        if resolution % 16:
+            parser.error(f"resolution {resolution} is not a multiple of the patch size 16")
+    if args.output_dir is None:
+        name = f"{args.size}_{args.mode}_{args.device}_{args.dtype}" + ("_tiny" if args.tiny else "")
+        args.output_dir = str(Path(__file__).resolve().parent / "results" / name)
+    return args
+
+
+# --- configs, machine ----------------------------------------------------------------------------------------------
+
+
+def build_configs(args: argparse.Namespace):
+    """VECA config of the preset (or `--tiny`) and a DINOv3 config of the same width, depth and heads."""
+    from transformers import DINOv3ViTConfig
+
+    overrides = dict(TINY) if args.tiny else {}
+    veca_config = VecaConfig.from_preset(args.size, **overrides)
+    for budget in args.budgets:
+        veca_config.check_budget(budget, name="--budgets")
+    dinov3_config = DINOv3ViTConfig(
+        hidden_size=veca_config.hidden_size,
+        num_hidden_layers=veca_config.num_hidden_layers,
+        num_attention_heads=veca_config.num_attention_heads,
+        intermediate_size=TINY_DINOV3_INTERMEDIATE if args.tiny else DINOV3_INTERMEDIATE[args.size],
+        patch_size=veca_config.patch_size,
+        num_register_tokens=4,
+        image_size=224,
+    )
+    for config in (veca_config, dinov3_config):
+        config._attn_implementation = args.attn_implementation
+    return veca_config, dinov3_config
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def _call_or_none(owner, name: str):
+    try:
+        return getattr(owner, name)()
+    except Exception:  # noqa: BLE001 - informational only; private helpers move between torch releases
+        return None
+
+
+def cpu_has_fast_bf16(machine: dict[str, Any]) -> bool | None:
+    """Whether the CPU has native bf16 matmul support (AVX512-BF16 or AMX); `None` if torch cannot tell."""
+    flags = (machine.get("cpu_avx512_bf16"), machine.get("cpu_amx_tile"))
+    return None if all(f is None for f in flags) else any(bool(f) for f in flags)
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    info = {
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "device": args.device,
+        "device_name": _cpu_model(),
+        "loadavg_start": _loadavg(),
+        "cpu_capability": _call_or_none(torch.backends.cpu, "get_cpu_capability"),
+        "cpu_avx512_bf16": _call_or_none(torch.cpu, "_is_avx512_bf16_supported"),
+        "cpu_amx_tile": _call_or_none(torch.cpu, "_is_amx_tile_supported"),
+    }
+    if args.device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name()
+        info["cuda_version"] = torch.version.cuda
+        info["cudnn_version"] = torch.backends.cudnn.version()
+    return info
+
+
+# --- timing --------------------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall-clock seconds of one call, synchronised on CUDA."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure_gemm(size: int, dtype: torch.dtype, device: torch.device, repeats: int) -> list[float]:
+    """Achieved FLOP/s samples of `torch.mm` on two `(size, size)` matrices (after one untimed call)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    flops = 2 * size**3
+    with torch.inference_mode():
+        torch.mm(a, b)
+        samples = [flops / time_call(lambda: torch.mm(a, b), device) for _ in range(repeats)]
+    del a, b
+    return samples
+
+
+# --- inputs for the attention blocks -------------------------------------------------------------------------------
+# NOTE: keep the VECA block's calling convention in this one helper: the attention module's signature may change.
+
+
+def make_veca_block_inputs(
+    config: VecaConfig,
+    batch_size: int,
+    height: int,
+    width: int,
+    num_cores: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator | None = None,
+) -> tuple[tuple, dict]:
+    """`(args, kwargs)` for one `VecaCorePeripheryAttention` call: `(B, C + N, D)` hidden states, core and patch RoPE.
+
+    Core RoPE uses random core positions in `[-1, 1]^2` (shape `(1, C, Hd)`, shared by the batch, as in the model's
+    first block); patch RoPE is the patch grid's `(N, Hd)`. Both come from the public `VecaRopePositionEmbedding` and
+    `get_patch_coordinates`, exactly as `VecaModel` builds them.
+    """
+    device = torch.device(device)
+    patch_size = config.patch_size
+    num_patches = num_patches_for(height, width, patch_size)
+    rope = VecaRopePositionEmbedding(config).to(device)
+    on_meta = device.type == "meta"
+    core_coordinates = (
+        torch.empty(1, num_cores, 2, device=device)
+        if on_meta
+        else torch.rand(1, num_cores, 2, generator=generator).mul(2).sub(1).to(device)
+    )
+    patch_coordinates = get_patch_coordinates(
+        height // patch_size, width // patch_size, dtype=torch.float32, device=device
+    )  # (N, 2)
+    core_cos, core_sin = rope(core_coordinates)  # (1, C, Hd)
+    patch_cos, patch_sin = rope(patch_coordinates)  # (N, Hd)
+    shape = (batch_size, num_cores + num_patches, config.hidden_size)
+    hidden_states = (
+        torch.empty(shape, device=device, dtype=dtype)
+        if on_meta
+        else torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    )
+    args = (hidden_states, (core_cos, core_sin), (patch_cos, patch_sin))
+    return args, {}
+
+
+def make_dinov3_block_inputs(
+    config: Any,
+    batch_size: int,
+    height: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    generator: torch.Generator | None = None,
+) -> tuple[tuple, dict]:
+    """`(args, kwargs)` for one transformers `DINOv3ViTAttention` call: `(B, 1 + registers + N, D)` and patch RoPE."""
+    from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTRopePositionEmbedding
+
+    device = torch.device(device)
+    num_patches = num_patches_for(height, width, config.patch_size)
+    rope = DINOv3ViTRopePositionEmbedding(config).to(device).eval()
+    pixel_values = torch.empty(1, config.num_channels, height, width, device=device, dtype=dtype)
+    cos, sin = rope(pixel_values)  # (N, Hd), in `dtype`, as in DINOv3ViTModel
+    shape = (batch_size, 1 + config.num_register_tokens + num_patches, config.hidden_size)
+    hidden_states = (
+        torch.empty(shape, device=device, dtype=dtype)
+        if device.type == "meta"
+        else torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    )
+    return (hidden_states,), {"position_embeddings": (cos, sin)}
+
+
+def _count_call(fn: Callable[[], Any]) -> int:
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+# --- what is benchmarked -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One line of the plots: DINOv3, or VECA at one budget, in one mode."""
+
+    model: str  # DINOV3 or VECA
+    budget: int | None
+    module: nn.Module  # the real module (hooks for the attention share are put on its attention modules)
+    make_call: Callable[[int, int], Callable[[], Any]]  # (resolution, batch) -> a zero-argument call
+    analytic_flops: Callable[[int, int], int]
+    counted_flops: Callable[[int, int], int]
+    num_tokens: Callable[[int], int]  # per image
+
+    @property
+    def label(self) -> str:
+        return DINOV3 if self.model == DINOV3 else f"VECA C={self.budget}"
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> list[Case]:
+    """DINOv3 first, then VECA at each budget (the order of the interleaved timing)."""
+    from transformers import DINOv3ViTModel
+    from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTAttention
+
+    torch.manual_seed(args.seed)
+    patch = veca_config.patch_size
+    prefix = 1 + dinov3_config.num_register_tokens
+    cases: list[Case] = []
+    if mode == "model":
+        dinov3 = DINOv3ViTModel(dinov3_config).to(device=device, dtype=dtype).eval()
+        veca = VecaModel(veca_config).to(device=device, dtype=dtype).eval()
+        with torch.device("meta"):
+            meta_dinov3 = DINOv3ViTModel(dinov3_config).eval()
+            meta_veca = VecaModel(veca_config).eval()
+        pixels: dict = {}
+
+        def pixel_values(resolution, batch):  # one input per point, shared by all models
+            key = (resolution, batch)
+            if key not in pixels:
+                pixels.clear()
+                generator = torch.Generator().manual_seed(args.seed)
+                pixels[key] = torch.randn(batch, 3, resolution, resolution, generator=generator).to(device, dtype)
+            return pixels[key]
+
+        def meta_pixels(resolution, batch):
+            return torch.empty(batch, 3, resolution, resolution, device="meta")
+
+        cases.append(
+            Case(
+                DINOV3,
+                None,
+                dinov3,
+                lambda r, b: (lambda x=pixel_values(r, b): dinov3(x)),
+                lambda r, b: dinov3_model_flops(dinov3_config, r, r, batch_size=b),
+                lambda r, b: count_flops(meta_dinov3, meta_pixels(r, b)),
+                lambda r: num_patches_for(r, r, patch) + prefix,
+            )
+        )
+        for budget in args.budgets:
+            cases.append(
+                Case(
+                    VECA,
+                    budget,
+                    veca,
+                    lambda r, b, c=budget: (lambda x=pixel_values(r, b): veca(x, num_core_tokens=c)),
+                    lambda r, b, c=budget: veca_model_flops(veca_config, r, r, c, batch_size=b),
+                    lambda r, b, c=budget: count_flops(meta_veca, meta_pixels(r, b), num_core_tokens=c),
+                    lambda r, c=budget: num_patches_for(r, r, patch) + c,
+                )
+            )
+    elif mode == "block":
+        dinov3_block = DINOv3ViTAttention(dinov3_config).to(device=device, dtype=dtype).eval()
+        veca_block = VecaCorePeripheryAttention(veca_config).to(device=device, dtype=dtype).eval()
+        with torch.device("meta"):
+            meta_dinov3_block = DINOv3ViTAttention(dinov3_config).eval()
+            meta_veca_block = VecaCorePeripheryAttention(veca_config).eval()
+
+        def dinov3_call(module, r, b, where, dt):
+            generator = torch.Generator().manual_seed(args.seed)
+            call_args, call_kwargs = make_dinov3_block_inputs(dinov3_config, b, r, r, dt, where, generator)
+            return lambda: module(*call_args, **call_kwargs)
+
+        def veca_call(module, r, b, c, where, dt):
+            generator = torch.Generator().manual_seed(args.seed)
+            call_args, call_kwargs = make_veca_block_inputs(veca_config, b, r, r, c, dt, where, generator)
+            return lambda: module(*call_args, **call_kwargs)
+
+        hidden = veca_config.hidden_size
+        cases.append(
+            Case(
+                DINOV3,
+                None,
+                dinov3_block,
+                lambda r, b: dinov3_call(dinov3_block, r, b, device, dtype),
+                lambda r, b: attention_block_flops(
+                    hidden, num_patches_for(r, r, patch), num_prefix_tokens=prefix, batch_size=b
+                ),
+                lambda r, b: _count_call(dinov3_call(meta_dinov3_block, r, b, "meta", torch.float32)),
+                lambda r: num_patches_for(r, r, patch) + prefix,
+            )
+        )
+        for budget in args.budgets:
+            cases.append(
+                Case(
+                    VECA,
+                    budget,
+                    veca_block,
+                    lambda r, b, c=budget: veca_call(veca_block, r, b, c, device, dtype),
+                    lambda r, b, c=budget: attention_block_flops(
+                        hidden, num_patches_for(r, r, patch), num_cores=c, batch_size=b
+                    ),
+                    lambda r, b, c=budget: _count_call(veca_call(meta_veca_block, r, b, c, "meta", torch.float32)),
+                    lambda r, c=budget: num_patches_for(r, r, patch) + c,
+                )
+            )
+    else:
+        raise ValueError(mode)
+    return cases
+
+
+# --- profiling: attention share and CPU memory ---------------------------------------------------------------------
+
+
+def _attention_modules(module: nn.Module) -> list[nn.Module]:
+    from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTAttention
+
+    kinds = (VecaCorePeripheryAttention, DINOv3ViTAttention)
+    return [m for m in module.modules() if isinstance(m, kinds)]
+
+
+def _tag_modules(modules: list[nn.Module], name: str) -> list:
+    """Forward pre/post hooks that wrap each module's forward in `record_function(name)`; returns the handles."""
+    from torch.autograd.profiler import record_function
+
+    handles = []
+    for module in modules:
+        stack: list = []
+
+        def pre_hook(_module, _args, stack=stack):
+            ctx = record_function(name)
+            ctx.__enter__()
+            stack.append(ctx)
+
+        def post_hook(_module, _args, _output, stack=stack):
+            stack.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(pre_hook))
+        handles.append(module.register_forward_hook(post_hook))
+    return handles
+
+
+def _ancestors(event) -> list:
+    out = []
+    parent = event.cpu_parent
+    while parent is not None:
+        out.append(parent)
+        parent = parent.cpu_parent
+    return out
+
+
+def profile_call(fn: Callable[[], Any], module: nn.Module, device: torch.device) -> dict[str, Any]:
+    """One profiled call: attention shares, and on CPU the forward's peak of allocated bytes."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    handles = _tag_modules(_attention_modules(module), ATTENTION_TAG)
+    try:
+        synchronize(device)
+        with profile(activities=activities, profile_memory=device.type == "cpu") as prof:
+            with record_function(FORWARD_TAG):
+                fn()
+            synchronize(device)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    use_device = device.type == "cuda"
+    total = attention = core = 0.0
+    for event in prof.events():
+        if event.device_type != DeviceType.CPU:  # device-side kernels are summed on their CPU op (self device time)
+            continue
+        names = [event.name] + [a.name for a in _ancestors(event)]
+        if FORWARD_TAG not in names:
+            continue
+        self_time = event.self_device_time_total if use_device else event.self_cpu_time_total
+        total += self_time
+        if ATTENTION_TAG in names:
+            attention += self_time
+            chain = names[: names.index(ATTENTION_TAG)]  # this op and its ancestors inside the attention module
+            if any(n in ATTENTION_CORE_OPS for n in chain) and "aten::linear" not in chain:
+                core += self_time
+    result: dict[str, Any] = {
+        "attention_module_share": attention / total if total > 0 else None,
+        "attention_core_share": core / total if total > 0 else None,
+        "profile_time_basis": "self device time" if use_device else "self CPU time",
+    }
+    if device.type == "cpu":
+        result["forward_peak_bytes"] = _cpu_peak_bytes(prof)
+    return result
+
+
+def _merge_profiles(runs: list[dict], device: torch.device) -> dict[str, Any]:
+    """Median attention shares over the profiled calls (one call can be hit by a preemption); max CPU peak."""
+    merged: dict[str, Any] = {"profile_time_basis": runs[0]["profile_time_basis"], "profile_calls": len(runs)}
+    for key in ("attention_module_share", "attention_core_share"):
+        values = [r[key] for r in runs if r[key] is not None]
+        merged[key] = statistics.median(values) if values else None
+    if device.type == "cpu":
+        peaks = [r["forward_peak_bytes"] for r in runs if r.get("forward_peak_bytes") is not None]
+        merged["forward_peak_bytes"] = max(peaks) if peaks else None
+    return merged
+
+
+def _cpu_peak_bytes(prof) -> int | None:
+    """Running maximum of the profiler's CPU allocation/free events (bytes above the level at the start)."""
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:  # pragma: no cover - private API moved
+        return None
+    memory = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    )
+    current = peak = 0
+    for _, nbytes in memory:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def cuda_forward_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+# --- the benchmark -------------------------------------------------------------------------------------------------
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_mode(mode, args, veca_config, dinov3_config, device, dtype, gemm_flops_per_s, log) -> list[dict]:
+    cases = build_cases(mode, args, veca_config, dinov3_config, device, dtype)
+    points: list[dict] = []
+    for batch in args.batch_sizes:
+        for resolution in args.resolutions:
+            num_patches = num_patches_for(resolution, resolution, veca_config.patch_size)
+            log(f"[{mode}] batch {batch}, {resolution} px (N = {num_patches})")
+            calls: dict[str, Callable | None] = {}
+            errors: dict[str, str] = {}
+
+            def attempt(case, action):
+                try:
+                    return action()
+                except Exception as error:  # noqa: BLE001 - record OOM (or anything) and go on
+                    if not _is_oom(error) and not isinstance(error, RuntimeError):
+                        raise
+                    errors[case.label] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    calls[case.label] = None
+                    _release(device)
+                    return None
+
+            with torch.inference_mode():
+                for case in cases:
+                    calls[case.label] = attempt(case, lambda case=case: case.make_call(resolution, batch))
+                for _ in range(args.warmup):
+                    for case in cases:
+                        if calls[case.label] is not None:
+                            attempt(case, calls[case.label])
+                samples: dict[str, list[float]] = {case.label: [] for case in cases}
+                for _ in range(args.repeats):  # interleaved: DINOv3, then each budget, per repeat
+                    for case in cases:
+                        call = calls[case.label]
+                        if call is not None:
+                            seconds = attempt(case, lambda call=call: time_call(call, device))
+                            if seconds is not None:
+                                samples[case.label].append(seconds)
+                extra: dict[str, dict] = {case.label: {} for case in cases}
+                for case in cases:
+                    call = calls[case.label]
+                    if call is None:
+                        continue
+                    if device.type == "cuda":
+                        peak = attempt(case, lambda call=call: cuda_forward_peak_bytes(call, device))
+                        extra[case.label]["forward_peak_bytes"] = peak
+                    if not args.no_profile:
+                        runs = [
+                            attempt(case, lambda call=call, case=case: profile_call(call, case.module, device))
+                            for _ in range(args.profile_repeats)
+                        ]
+                        if all(runs):
+                            extra[case.label].update(_merge_profiles(runs, device))
+
+            mode_points = []
+            for case in cases:
+                if mode == "model":
+                    input_bytes = batch * 3 * resolution**2 * dtype.itemsize
+                else:
+                    input_bytes = batch * case.num_tokens(resolution) * veca_config.hidden_size * dtype.itemsize
+                analytic = case.analytic_flops(resolution, batch)
+                counted = case.counted_flops(resolution, batch)
+                times = samples[case.label]
+                point: dict[str, Any] = {
+                    "mode": mode,
+                    "batch_size": batch,
+                    "resolution": resolution,
+                    "num_patches": num_patches,
+                    "model": case.model,
+                    "budget": case.budget,
+                    "label": case.label,
+                    "num_tokens": case.num_tokens(resolution),
+                    "flops_analytic": analytic,
+                    "flops_counted": counted,
+                    "flops_match": analytic == counted,
+                    "error": errors.get(case.label),
+                }
+                if times:
+                    median = statistics.median(times)
+                    achieved = analytic / median
+                    point.update(
+                        latency_ms={
+                            "median": 1e3 * median,
+                            "min": 1e3 * min(times),
+                            "max": 1e3 * max(times),
+                            "samples": [1e3 * t for t in times],
+                        },
+                        images_per_s=batch / median,
+                        achieved_gflops_per_s=achieved / 1e9,
+                        gemm_fraction=achieved / gemm_flops_per_s if gemm_flops_per_s else None,
+                        latency_per_token_us=1e6 * median / (batch * case.num_tokens(resolution)),
+                    )
+                else:
+                    point["latency_ms"] = None
+                peak = extra[case.label].get("forward_peak_bytes")
+                weights = _param_bytes(case.module)
+                point.update(
+                    attention_module_share=extra[case.label].get("attention_module_share"),
+                    attention_core_share=extra[case.label].get("attention_core_share"),
+                    forward_peak_mb=None if peak is None else peak / MIB,
+                    weights_mb=weights / MIB,
+                    peak_memory_mb=None if peak is None else (peak + weights + input_bytes) / MIB,
+                    memory_method=(
+                        "torch.cuda.max_memory_allocated - allocated before the call"
+                        if device.type == "cuda"
+                        else ("torch.profiler allocation events (running max)" if peak is not None else None)
+                    ),
+                )
+                mode_points.append(point)
+
+            dense = next(p for p in mode_points if p["model"] == DINOV3)
+            for point in mode_points:
+                point["flop_ratio_vs_dinov3"] = point["flops_analytic"] / dense["flops_analytic"]
+                both = point["latency_ms"] and dense["latency_ms"]
+                point["latency_ratio_vs_dinov3"] = (
+                    point["latency_ms"]["median"] / dense["latency_ms"]["median"] if both else None
+                )
+                log("    " + _one_line(point))
+            points.extend(mode_points)
+            calls.clear()
+            _release(device)
+    return points
+
+
+def _one_line(p: dict) -> str:
+    lat = p["latency_ms"]
+    text = f"{p['label']:<12} {p['flops_analytic'] / 1e9:9.3f} GFLOPs"
+    text += f"  {lat['median']:9.2f} ms [{lat['min']:.2f}-{lat['max']:.2f}]" if lat else "  (failed)"
+    if p.get("gemm_fraction") is not None:
+        text += f"  {100 * p['gemm_fraction']:5.1f}% GEMM"
+    if p.get("attention_core_share") is not None:
+        text += f"  attn {100 * p['attention_module_share']:4.1f}%/{100 * p['attention_core_share']:4.1f}%"
+    if p["model"] == VECA and p.get("latency_ratio_vs_dinov3") is not None:
+        text += f"  x{p['latency_ratio_vs_dinov3']:.3f} time, x{p['flop_ratio_vs_dinov3']:.3f} FLOPs vs DINOv3"
+    if not p["flops_match"]:
+        text += f"  COUNTED {p['flops_counted']} != ANALYTIC {p['flops_analytic']}"
+    return text
+
+
+# --- summary, markdown, plots --------------------------------------------------------------------------------------
+
+
+def _find(points, mode, batch, resolution, model, budget=None):
+    for p in points:
+        if (p["mode"], p["batch_size"], p["resolution"], p["model"]) == (mode, batch, resolution, model) and (
+            model == DINOV3 or p["budget"] == budget
+        ):
+            return p
+    return None
+
+
+def _median(p):
+    return p["latency_ms"]["median"] if p and p.get("latency_ms") else None
+
+
+def summarize(points: list[dict], args) -> list[dict]:
+    """The issue's targets per mode and batch size, for the largest budget (C = 64 by default).
+
+    - at the largest resolution and at 512 px (or the smallest, if 512 was not run or is the largest): latency
+      ratio VECA/DINOv3 vs FLOP ratio;
+    - VECA's latency per token (latency / (B (N + C))) at the largest resolution over that at 512 px: 1 means
+      linear scaling in tokens;
+    - VECA's (and DINOv3's) achieved fraction of the GEMM throughput at the largest resolution.
+    """
+    budget = max(args.budgets)
+    largest = max(args.resolutions)
+    reference = 512 if 512 in args.resolutions and 512 < largest else min(args.resolutions)
+    summaries = []
+    modes = sorted({p["mode"] for p in points}, key=["model", "block"].index)
+    for mode in modes:
+        for batch in args.batch_sizes:
+            entry: dict[str, Any] = {
+                "mode": mode,
+                "batch_size": batch,
+                "budget": budget,
+                "largest_resolution": largest,
+                "reference_resolution": reference,
+                "ratios": {},
+            }
+            for resolution in sorted({largest, reference}):
+                veca = _find(points, mode, batch, resolution, VECA, budget)
+                dense = _find(points, mode, batch, resolution, DINOV3)
+                entry["ratios"][str(resolution)] = {
+                    "latency_ratio": veca.get("latency_ratio_vs_dinov3") if veca else None,
+                    "flop_ratio": veca.get("flop_ratio_vs_dinov3") if veca else None,
+                }
+            veca_large = _find(points, mode, batch, largest, VECA, budget)
+            veca_ref = _find(points, mode, batch, reference, VECA, budget)
+            dense_large = _find(points, mode, batch, largest, DINOV3)
+            dense_ref = _find(points, mode, batch, reference, DINOV3)
+
+            def per_token_ratio(a, b):
+                if a is not b and a and b and a.get("latency_per_token_us") and b.get("latency_per_token_us"):
+                    return a["latency_per_token_us"] / b["latency_per_token_us"]
+                return None
+
+            entry["veca_per_token_latency_ratio"] = per_token_ratio(veca_large, veca_ref)
+            entry["dinov3_per_token_latency_ratio"] = per_token_ratio(dense_large, dense_ref)
+            entry["veca_gemm_fraction_at_largest"] = veca_large.get("gemm_fraction") if veca_large else None
+            entry["dinov3_gemm_fraction_at_largest"] = dense_large.get("gemm_fraction") if dense_large else None
+            summaries.append(entry)
+    return summaries
+
+
+def _fmt(value, spec=".3f", none="-"):
+    return none if value is None else format(value, spec)
+
+
+def summary_lines(summaries: list[dict]) -> list[str]:
+    lines = []
+    for s in summaries:
+        c, big, ref = s["budget"], s["largest_resolution"], s["reference_resolution"]
+        lines.append(f"{s['mode']} mode, batch {s['batch_size']}, VECA C={c}:")
+        for resolution, r in s["ratios"].items():
+            lines.append(
+                f"  - {resolution} px: VECA/DINOv3 latency ratio {_fmt(r['latency_ratio'])} "
+                f"vs FLOP ratio {_fmt(r['flop_ratio'])}"
+            )
+        lines.append(
+            f"  - latency per token (latency / (B (N + C))), {big} px over {ref} px: VECA "
+            f"{_fmt(s['veca_per_token_latency_ratio'])} (1 = linear in tokens), DINOv3 "
+            f"{_fmt(s['dinov3_per_token_latency_ratio'])}"
+        )
+        fraction = s["veca_gemm_fraction_at_largest"]
+        dense = s["dinov3_gemm_fraction_at_largest"]
+        lines.append(
+            f"  - fraction of GEMM throughput at {big} px: VECA {_fmt(fraction and 100 * fraction, '.1f')}%, "
+            f"DINOv3 {_fmt(dense and 100 * dense, '.1f')}%"
+        )
+    return lines
+
+
+def markdown(result: dict) -> str:
+    args, machine, gemm = result["args"], result["machine"], result["gemm"]
+    out = [
+        f"# VECA vs DINOv3 scaling: {args['size']}{' (tiny)' if args['tiny'] else ''}, {args['device']}, "
+        f"{args['dtype']}, {args['attn_implementation']}",
+        "",
+        f"- command: `{result['command']}`",
+        f"- device: {args['device']} ({machine['device_name']}); CPU: {machine['cpu_model']}; "
+        f"torch {machine['torch_version']}, transformers {machine['transformers_version']}; "
+        f"threads {machine['torch_num_threads']}; "
+        f"load average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}",
+        f"- models: VECA {result['models']['veca']}; DINOv3 {result['models']['dinov3']}",
+        f"- GEMM reference: `torch.mm` {gemm['size']}x{gemm['size']} {args['dtype']}: "
+        f"median {gemm['median_gflops_per_s']:.1f} GFLOP/s (start {gemm['start_median_gflops_per_s']:.1f}, "
+        f"end {gemm['end_median_gflops_per_s']:.1f})",
+        f"- timing: {args['warmup']} warm-up + {args['repeats']} timed calls per model, interleaved (DINOv3 then "
+        "each budget, per repeat); latency = median [min-max]",
+        "- GFLOPs: analytic (`veca_hf.flops`) and counted (`torch.utils.flop_counter` on meta, SDPA as MATH); "
+        "%GEMM = analytic FLOPs / median latency / GEMM reference",
+        "- attention share: time inside the attention modules / whole forward, and in brackets the attention "
+        f"kernels alone (SDPA or eager matmul+softmax), median of {args['profile_repeats']} `torch.profiler` runs",
+        "- forward peak: bytes allocated during the call above the level before it (activations + outputs); "
+        + ("CUDA max_memory_allocated" if args["device"] == "cuda" else "CPU: torch.profiler allocation events"),
+        "",
+    ]
+    header = (
+        "| res | N | model | C | GFLOPs analytic | GFLOPs counted | latency ms median [min-max] | img/s | "
+        "% GEMM peak | attention share (kernel) | fwd peak MB | latency ratio vs DINOv3 | FLOP ratio vs DINOv3 |"
+    )
+    points = result["points"]
+    for mode in sorted({p["mode"] for p in points}, key=["model", "block"].index):
+        title = "whole model" if mode == "model" else "one attention block (q/k/v/o + attention, Table S.14)"
+        for batch in args["batch_sizes"]:
+            out += [f"## {mode} mode: {title}, batch {batch}", "", header, "|" + "---|" * 13]
+            for p in points:
+                if p["mode"] != mode or p["batch_size"] != batch:
+                    continue
+                lat = p["latency_ms"]
+                latency = f"{lat['median']:.2f} [{lat['min']:.2f}-{lat['max']:.2f}]" if lat else (p["error"] or "-")
+                share = "-"
+                if p.get("attention_module_share") is not None:
+                    share = f"{100 * p['attention_module_share']:.1f}% ({100 * p['attention_core_share']:.1f}%)"
+                counted = f"{p['flops_counted'] / 1e9:.3f}" + ("" if p["flops_match"] else " (!= analytic)")
+                out.append(
+                    f"| {p['resolution']} | {p['num_patches']} | {p['model']} | {p['budget'] or '-'} | "
+                    f"{p['flops_analytic'] / 1e9:.3f} | {counted} | {latency} | "
+                    f"{_fmt(p.get('images_per_s'), '.2f')} | "
+                    f"{_fmt(p.get('gemm_fraction') and 100 * p['gemm_fraction'], '.1f')} | {share} | "
+                    f"{_fmt(p.get('forward_peak_mb'), '.1f')} | "
+                    f"{_fmt(p['latency_ratio_vs_dinov3']) if p['model'] == VECA else '-'} | "
+                    f"{_fmt(p['flop_ratio_vs_dinov3']) if p['model'] == VECA else '-'} |"
+                )
+            out.append("")
+    out += ["## Summary", ""] + summary_lines(result["summary"]) + [""]
+    if result["notes"]:
+        out += ["## Notes", ""] + [f"- {note}" for note in result["notes"]] + [""]
+    return "\n".join(out)
+
+
+def plot(points: list[dict], args, output_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    modes = sorted({p["mode"] for p in points}, key=["model", "block"].index)
+    written = []
+    for kind, ylabel, filename in (
+        ("latency", "median latency (ms)", "latency_vs_resolution.png"),
+        ("flops", "GFLOPs (analytic)", "flops_vs_resolution.png"),
+    ):
+        rows, cols = len(modes), len(args.batch_sizes)
+        fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+        for i, mode in enumerate(modes):
+            for j, batch in enumerate(args.batch_sizes):
+                ax = axes[i][j]
+                labels = [DINOV3] + [f"VECA C={c}" for c in args.budgets]
+                for k, label in enumerate(labels):
+                    xs, ys = [], []
+                    for p in points:
+                        if (p["mode"], p["batch_size"], p["label"]) != (mode, batch, label):
+                            continue
+                        value = _median(p) if kind == "latency" else p["flops_analytic"] / 1e9
+                        if value:
+                            xs.append(p["resolution"])
+                            ys.append(value)
+                    if xs:
+                        dense = label == DINOV3
+                        ax.plot(
+                            xs,
+                            ys,
+                            marker="s" if dense else "o",
+                            linestyle="--" if dense else "-",
+                            color="black" if dense else plt.cm.viridis(0.85 * (k - 1) / max(1, len(labels) - 2)),
+                            linewidth=2 if dense else 1.5,
+                            label=label,
+                        )
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+                ax.set_xticks(args.resolutions)
+                ax.set_xticklabels([str(r) for r in args.resolutions])
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+                ax.set_xlabel("resolution (px, square)")
+                ax.set_ylabel(ylabel)
+                name = args.size + (" tiny" if args.tiny else "")
+                ax.set_title(f"{name} {mode}, batch {batch}, {args.dtype}, {args.device}")
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = output_dir / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+# --- main ----------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    veca_config, dinov3_config = build_configs(args)
+    machine = machine_info(args)
+    log(f"device {machine['device_name']}, torch {machine['torch_version']}, {machine['torch_num_threads']} threads")
+
+    gemm_start = measure_gemm(args.gemm_size, dtype, device, args.gemm_repeats)
+    log(f"GEMM {args.gemm_size}^2 {args.dtype}: {statistics.median(gemm_start) / 1e9:.1f} GFLOP/s (start)")
+
+    notes = [
+        "Random weights. bf16 = models cast to bfloat16 (no autocast).",
+        "FLOPs count matmuls/linears/convs only (multiply-add = 2), as torch.utils.flop_counter does; counted on the "
+        "meta device under sdpa_kernel(SDPBackend.MATH) because the counter does not see the CPU flash SDPA kernel.",
+        "Attention share comes from a profiled run (profiler overhead included); the timed runs have no hooks.",
+    ]
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_fast_bf16(machine) is False:
+        warning = (
+            f"This CPU ({machine['cpu_capability']}) has neither AVX512-BF16 nor AMX: torch's bf16 matmuls fall back "
+            "to slow kernels (seen here: bf16 torch.mm ~50x slower than fp32, and F.linear faster than torch.mm), so "
+            "bf16 timings mostly measure that fallback and the GEMM fraction can exceed 1."
+        )
+        notes.append(warning)
+        log("WARNING: " + warning)
+    if device.type == "cpu":
+        notes.append(
+            "CPU memory: from torch.profiler allocation events (tensor allocations through torch's CPU allocator); "
+            "RSS is not used (allocator caching and other processes make it unreliable)."
+        )
+    points: list[dict] = []
+    modes = ["model", "block"] if args.mode == "both" else [args.mode]
+    for mode in modes:
+        points += run_mode(
+            mode, args, veca_config, dinov3_config, device, dtype, statistics.median(gemm_start), log
+        )
+
+    gemm_end = measure_gemm(args.gemm_size, dtype, device, args.gemm_repeats)
+    gemm_all = gemm_start + gemm_end
+    gemm_reference = statistics.median(gemm_all)
+    log(f"GEMM {args.gemm_size}^2 {args.dtype}: {statistics.median(gemm_end) / 1e9:.1f} GFLOP/s (end)")
+    for p in points:  # refer every point to the pooled start+end median
+        if p.get("achieved_gflops_per_s") is not None:
+            p["gemm_fraction"] = p["achieved_gflops_per_s"] * 1e9 / gemm_reference
+    machine["loadavg_end"] = _loadavg()
+    if any(not p["flops_match"] for p in points):
+        notes.append("Some counted FLOPs differ from the analytic ones: see flops_match in results.json.")
+
+    summary = summarize(points, args)
+    shared = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    result = {
+        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "args": vars(args),
+        "machine": machine,
+        "models": {
+            "veca": {k: getattr(veca_config, k) for k in (*shared, "num_core_tokens")},
+            "dinov3": {k: getattr(dinov3_config, k) for k in (*shared, "num_register_tokens", "use_gated_mlp")},
+        },
+        "gemm": {
+            "size": args.gemm_size,
+            "dtype": args.dtype,
+            "median_gflops_per_s": gemm_reference / 1e9,
+            "start_median_gflops_per_s": statistics.median(gemm_start) / 1e9,
+            "end_median_gflops_per_s": statistics.median(gemm_end) / 1e9,
+            "samples_gflops_per_s": [g / 1e9 for g in gemm_all],
+        },
+        "points": points,
+        "summary": summary,
+        "notes": notes,
+    }
+    (output_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (output_dir / "results.md").write_text(markdown(result))
+    if not args.no_plots:
+        plot(points, args, output_dir)
+    log("")
+    log("Summary")
+    for line in summary_lines(summary):
+        log(line)
+    log(f"wrote {output_dir}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Smoke test of `benchmarks/scaling.py`: a tiny run of both modes writes its JSON, markdown and plots, and every
+point's FLOPs counted by `torch.utils.flop_counter` equal the analytic ones. No timing assertions."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "scaling.py"
+RESOLUTIONS = (64, 96)
+BUDGETS = (8, 16)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("scaling")
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--tiny",
+        "--size", "veca-s16",
+        "--mode", "both",
+        "--resolutions", ",".join(map(str, RESOLUTIONS)),
+        "--budgets", ",".join(map(str, BUDGETS)),
+        "--batch_sizes", "1",
+        "--warmup", "0",
+        "--repeats", "1",
+        "--profile_repeats", "1",
+        "--threads", "1",
+        "--gemm_size", "128",
+        "--gemm_repeats", "1",
+        "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return output_dir, completed.stdout
+
+
+def test_outputs_written(tiny_run):
+    output_dir, stdout = tiny_run
+    for name in ("results.json", "results.md", "latency_vs_resolution.png", "flops_vs_resolution.png"):
+        assert (output_dir / name).stat().st_size > 0, name
+    for name in ("latency_vs_resolution.png", "flops_vs_resolution.png"):
+        assert (output_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (output_dir / "results.md").read_text()
+    assert "## model mode" in markdown and "## block mode" in markdown and "## Summary" in markdown
+    assert "GFLOPs analytic" in markdown and "latency ratio vs DINOv3" in markdown
+    assert "Summary" in stdout and "VECA/DINOv3 latency ratio" in stdout
+
+
+def test_every_point_counted_equals_analytic(tiny_run):
+    output_dir, _ = tiny_run
+    result = json.loads((output_dir / "results.json").read_text())
+    points = result["points"]
+    # 2 modes x 2 resolutions x (DINOv3 + 2 budgets)
+    assert len(points) == 2 * len(RESOLUTIONS) * (1 + len(BUDGETS))
+    for point in points:
+        assert point["error"] is None, point
+        assert point["flops_counted"] == point["flops_analytic"] > 0, point
+        assert point["flops_match"] is True
+        latency = point["latency_ms"]
+        assert latency["min"] <= latency["median"] <= latency["max"] and len(latency["samples"]) == 1
+        assert point["images_per_s"] > 0 and point["gemm_fraction"] > 0
+        assert 0.0 <= point["attention_core_share"] <= point["attention_module_share"] <= 1.0
+        assert point["forward_peak_mb"] > 0 and point["peak_memory_mb"] > point["forward_peak_mb"]
+        if point["model"] == "VECA":
+            assert point["num_tokens"] == point["num_patches"] + point["budget"]
+            assert point["latency_ratio_vs_dinov3"] > 0 and point["flop_ratio_vs_dinov3"] > 0
+        else:
+            assert point["num_tokens"] == point["num_patches"] + 5 and point["budget"] is None
+
+
+def test_json_metadata_and_summary(tiny_run):
+    output_dir, _ = tiny_run
+    result = json.loads((output_dir / "results.json").read_text())
+    machine = result["machine"]
+    assert machine["torch_version"] == torch.__version__ and machine["torch_num_threads"] == 1
+    assert "cpu_model" in machine and machine["device"] == "cpu"
+    assert "--tiny" in result["command"] and result["args"]["budgets"] == list(BUDGETS)
+    assert result["gemm"]["median_gflops_per_s"] > 0
+    assert result["models"]["veca"]["hidden_size"] == result["models"]["dinov3"]["hidden_size"] == 64
+    summary = result["summary"]
+    assert {(s["mode"], s["batch_size"]) for s in summary} == {("model", 1), ("block", 1)}
+    for entry in summary:
+        assert entry["budget"] == max(BUDGETS) and entry["largest_resolution"] == max(RESOLUTIONS)
+        assert entry["veca_per_token_latency_ratio"] > 0 and entry["veca_gemm_fraction_at_largest"] > 0
+
+
+def test_block_inputs_match_spec_table_on_meta():
+    """The block-mode input helpers reproduce the spec's Table S.14 FLOPs (VECA-B / DINOv3-B, 1024 px, C = 64)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import scaling
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTAttention
+
+    from veca_hf.modeling_veca import VecaCorePeripheryAttention
+
+    args = scaling.parse_args(["--size", "veca-b16", "--output_dir", "unused"])
+    veca_config, dinov3_config = scaling.build_configs(args)
+    with torch.device("meta"):
+        veca_block = VecaCorePeripheryAttention(veca_config).eval()
+        dinov3_block = DINOv3ViTAttention(dinov3_config).eval()
+    veca_args, veca_kwargs = scaling.make_veca_block_inputs(veca_config, 1, 1024, 1024, 64, torch.float32, "meta")
+    dense_args, dense_kwargs = scaling.make_dinov3_block_inputs(dinov3_config, 1, 1024, 1024, torch.float32, "meta")
+    assert scaling._count_call(lambda: veca_block(*veca_args, **veca_kwargs)) == 21_252_538_368
+    assert round(scaling._count_call(lambda: dinov3_block(*dense_args, **dense_kwargs)) / 1e9, 3) == 71.016
