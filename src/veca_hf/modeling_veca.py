@@ -149,16 +149,18 @@ class VecaRopePositionEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Same as DINOv3's: `(a, b) -> (-b, a)` on the two halves of the last dim."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates `x (B, H, L, Hd)` by angles whose cos/sin broadcast to it."""
+    """`x * cos + rotate_half(x) * sin` for `x (..., L, Hd)` and cos/sin that broadcast to it.
+
+    NOTE: computed as one product and two in-place half updates instead of `rotate_half`'s negation and concatenation:
+    one allocation instead of four, about twice as fast on CPU at high resolution, and autograd-safe.
+    """
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    half = x.shape[-1] // 2
+    rotated = x * cos
+    rotated[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    rotated[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return rotated
 
 
 def eager_attention_forward(
@@ -268,7 +270,10 @@ class VecaSwiGLUMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (B, T, I) each
-        return self.down_proj(self.act_fn(gate) * up)
+        activated = self.act_fn(gate)
+        # NOTE: in place only without autograd (some activations save their output for backward).
+        gated = activated * up if torch.is_grad_enabled() else activated.mul_(up)
+        return self.down_proj(gated)
 
 
 class VecaLayer(GradientCheckpointingLayer):
@@ -294,8 +299,10 @@ class VecaLayer(GradientCheckpointingLayer):
         attn_output, attn_weights = self.attention(
             self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), output_attentions
         )
-        hidden_states = hidden_states + attn_output
-        hidden_states = hidden_states + self.mlp(self.norm2(hidden_states))
+        # NOTE: residuals added into the fresh branch outputs (an addition needs no saved inputs for backward);
+        # the incoming hidden_states are never modified, so returned hidden states stay intact.
+        hidden_states = attn_output.add_(hidden_states)
+        hidden_states = self.mlp(self.norm2(hidden_states)).add_(hidden_states)
         return hidden_states, attn_weights
 
 
