@@ -16,9 +16,7 @@ from pathlib import Path
 
 import PIL.Image
 import torch
-from transformers import AutoModel
 
-import veca_hf  # noqa: F401  (registers VECA with AutoModel)
 from veca_hf import probing
 
 
@@ -32,9 +30,10 @@ def main(argv: list[str] | None = None) -> probing.CoreAttentionMaps:
     parser.add_argument("--output", default="cores.png", help="The PNG to write.")
     args = parser.parse_args(argv)
 
-    model = AutoModel.from_pretrained(args.model_name_or_path).eval()
-    if model.config.model_type != "veca":
-        parser.error(f"{args.model_name_or_path} is a {model.config.model_type} model; this script needs VECA.")
+    backbone = probing.ProbeModel(args.model_name_or_path)  # refuses checkpoints whose weights do not all load
+    if not backbone.is_veca:
+        parser.error(f"{args.model_name_or_path} is a {backbone.config.model_type} model; this script needs VECA.")
+    model = backbone.model
     if args.resolution % model.config.patch_size:
         parser.error(f"--resolution {args.resolution} is not a multiple of the patch size {model.config.patch_size}.")
     budget = model.resolve_num_core_tokens(args.num_core_tokens)
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> probing.CoreAttentionMaps:
     with PIL.Image.open(args.image) as image:
         image = image.convert("RGB")
     crop = probing.center_crop_resized(image, args.resolution)
-    pixel_values = probing.preprocess_image(image, args.resolution)[None]  # (1, 3, R, R)
+    pixel_values = probing.preprocess_image(image, args.resolution)[None].to(backbone.device)  # (1, 3, R, R)
     with torch.no_grad():
         maps = probing.core_attention_maps(model, pixel_values, budget, cores=range(args.num_cores_shown))
     title = f"{Path(args.model_name_or_path.rstrip('/')).name}, C = {budget}, {args.resolution} px"

@@ -136,6 +136,21 @@ def test_resolutions_must_be_multiples_of_every_patch_size(veca_dir, dinov2_dir)
     assert models[1].budgets([8, 16]) == [None]  # one "budget" for non-VECA models
 
 
+def test_probe_model_refuses_incomplete_checkpoints(veca_dir, tmp_path):
+    """A weight the checkpoint lacks would be random: probing such a model must fail, not report noise."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(veca_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["norm.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match its model code"):
+        probing.ProbeModel(str(broken), device="cpu").model
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Metrics
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,7 +267,7 @@ def test_linear_probe_script_side_by_side_and_cached(
     assert "| resolution | veca-tiny C=16 | veca-tiny C=8 | dinov2-tiny |" in table
     assert "| 64 px |" in table and "### Segmentation: mIoU (%)" in table
 
-    # 2 models-with-budgets x 2 resolutions x (train + eval) x (global + dense) feature sets, one file each
+    # (VECA at 2 budgets + DINOv2) x 2 resolutions x (train, eval) x (global, dense) feature sets, one file each
     cached = sorted(cache_dir.rglob("*.safetensors"))
     assert len(cached) == (2 + 1) * 2 * 2 * 2
     assert len(calls) > 0 and set(calls) == {8, 16, None}

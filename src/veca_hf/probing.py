@@ -36,8 +36,8 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -373,7 +373,7 @@ def hub_image_classification(
     labels = np.asarray(dataset.with_format("numpy")[label_column], dtype=np.int64)
     feature = dataset.features[label_column]
     class_names = list(feature.names) if hasattr(feature, "names") else None
-    fingerprint = _sha1("datasets", dataset_name, dataset_config_name, split, dataset._fingerprint)
+    fingerprint = _sha1("datasets", dataset_name, dataset_config_name, split, dataset._fingerprint)  # its content hash
     return ImageSet(_DatasetColumn(dataset, image_column), labels, class_names=class_names, fingerprint=fingerprint)
 
 
@@ -579,9 +579,9 @@ class ProbeModel:
 
     @property
     def cache_id(self) -> str:
-        """Identity of the weights for the feature cache: the id plus the weight files' sizes and times (local
-        folders) or the Hub commit; plus the dtype."""
-        parts = [self.name_or_path, str(self.dtype)]
+        """Identity of the features for the cache: the id, the weight files' sizes and times (local folders) or the
+        Hub commit, the dtype, and the model code (`modeling_veca.py`'s text; the transformers version otherwise)."""
+        parts = [self.name_or_path, str(self.dtype), _code_fingerprint(self.config)]
         path = Path(self.name_or_path)
         if path.is_dir():
             for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
@@ -605,8 +605,29 @@ class ProbeModel:
             import veca_hf  # noqa: F401  (registers VECA with AutoModel)
 
             logger.info(f"Loading {self.name_or_path}")
-            self._model = AutoModel.from_pretrained(self.name_or_path, dtype=self.dtype)
+            model, info = AutoModel.from_pretrained(self.name_or_path, dtype=self.dtype, output_loading_info=True)
+            # NOTE: a backbone with freshly initialised weights would be probed without a word (transformers' load
+            # report is a warning, often silenced): refuse it.
+            incomplete = sorted(info["missing_keys"]) + sorted(str(key) for key in info["mismatched_keys"])
+            if incomplete:
+                raise ValueError(
+                    f"{self.name_or_path} does not match its model code: {len(incomplete)} weights are missing or "
+                    f"mismatched (e.g. {incomplete[:4]}), so they would be random. Convert the checkpoint to the "
+                    "current code, or use the code it was saved with."
+                )
+            self._model = model
         return self._model.to(self.device).eval()
+
+
+def _code_fingerprint(config) -> str:
+    """What the features also depend on besides the weights: the model code."""
+    if config.model_type == "veca":
+        from . import modeling_veca
+
+        return _sha1(Path(modeling_veca.__file__).read_bytes())
+    import transformers
+
+    return f"transformers {transformers.__version__}"
 
 
 def check_resolutions(models: Sequence[ProbeModel], resolutions: Sequence[int]) -> None:
