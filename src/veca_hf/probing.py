@@ -1246,6 +1246,19 @@ def _pyplot():
     return plt
 
 
+def _save_metric_plot(plt, figure, axis, task: str, against: str, xlabel: str, path: str | os.PathLike) -> Path:
+    """Labels, title, grid and legend shared by the metric plots; writes the PNG and closes the figure."""
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(METRIC_LABELS[TASK_METRICS[task]])
+    axis.set_title(f"{task.capitalize()}: linear probe vs {against}")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return Path(path)
+
+
 def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path: str | os.PathLike) -> Path:
     """`task`'s metric (%) against the VECA budget, one line per model and resolution; models without budgets are
     dashed horizontal lines (the teacher column of the paper's tables)."""
@@ -1270,15 +1283,7 @@ def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path:
     axis.set_xscale("log", base=2)
     if budgets:
         axis.set_xticks(budgets, [str(b) for b in budgets])
-    axis.set_xlabel("budget C (active cores)")
-    axis.set_ylabel(METRIC_LABELS[TASK_METRICS[task]])
-    axis.set_title(f"{task.capitalize()}: linear probe vs budget")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return _save_metric_plot(plt, figure, axis, task, "budget", "budget C (active cores)", path)
 
 
 def plot_metric_vs_resolution(results: Sequence[Mapping[str, Any]], task: str, path: str | os.PathLike) -> Path:
@@ -1298,15 +1303,7 @@ def plot_metric_vs_resolution(results: Sequence[Mapping[str, Any]], task: str, p
         axis.plot(*zip(*points), marker=markers[model], label=f"{name} C={budget}" if budget else name, **style)
     resolutions = sorted({r["resolution"] for r in rows})
     axis.set_xticks(resolutions, [str(r) for r in resolutions])
-    axis.set_xlabel("resolution (px)")
-    axis.set_ylabel(METRIC_LABELS[TASK_METRICS[task]])
-    axis.set_title(f"{task.capitalize()}: linear probe vs resolution")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return _save_metric_plot(plt, figure, axis, task, "resolution", "resolution (px)", path)
 
 
 def write_reports(
