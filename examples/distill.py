@@ -25,7 +25,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModel, HfArgumentParser, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser, get_cosine_with_min_lr_schedule_with_warmup
 
 from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
 from veca_hf.checkpointing import load_checkpoint, resolve_resume_path, save_checkpoint
@@ -36,6 +36,7 @@ from veca_hf.distillation import (
     ResolutionSchedule,
     StudentWithLoss,
     compute_teacher_targets,
+    dense_student_config,
     get_parameter_groups,
 )
 from veca_hf.offline_assets import resolve_teacher
@@ -62,6 +63,10 @@ class ModelArguments:
     )
     student_overrides: str | None = field(
         default=None, metadata={"help": "JSON dict of VecaConfig fields to override, e.g. '{\"num_hidden_layers\": 6}'."}
+    )
+    student_type: str = field(
+        default="veca",
+        metadata={"help": "veca | dense: a DINOv3ViTModel of the same size (the attention-pattern control; no budgets)."},
     )
     teacher_micro_batch_size: int | None = field(default=None, metadata={"help": "Teacher images per forward."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Student attention: sdpa | eager."})
@@ -169,6 +174,10 @@ def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, epoch:
         epoch, skip_batches = epoch + 1, 0
 
 
+def budget_label(budget: int | None) -> str:
+    return "dense" if budget is None else str(budget)
+
+
 def teacher_autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
@@ -236,17 +245,25 @@ def main():
     teacher_dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
 
     student_config = build_student_config(model_args)
-    student = VecaModel(student_config)
+    if model_args.student_type == "veca":
+        student = VecaModel(student_config)
+    elif model_args.student_type == "dense":
+        student = DINOv3ViTModel(dense_student_config(student_config))
+    else:
+        raise ValueError(f"--student_type {model_args.student_type!r} is not one of 'veca', 'dense'.")
     student.set_attn_implementation(model_args.attn_implementation)
     if args.gradient_checkpointing:
         student.activation_checkpointing_enable()
     criterion = DistillationLoss(student_config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight)
     model = StudentWithLoss(student, criterion).train()
 
-    budgets = [int(b) for b in args.budgets.split(",")]
-    for budget in budgets:
-        student_config.check_budget(budget, name="--budgets entry")
-    budget_sampler = BudgetSampler(budgets, [float(w) for w in args.budget_weights.split(",")], seed=args.seed)
+    if model_args.student_type == "veca":
+        budgets = [int(b) for b in args.budgets.split(",")]
+        for budget in budgets:
+            student_config.check_budget(budget, name="--budgets entry")
+        budget_sampler = BudgetSampler(budgets, [float(w) for w in args.budget_weights.split(",")], seed=args.seed)
+    else:  # a dense student has no budget: one "budget" None, validated as "dense"
+        budgets, budget_sampler = [None], lambda step: None
     resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
     for resolution in resolutions.resolutions:
         if resolution % student_config.patch_size:
@@ -357,7 +374,9 @@ def main():
         step_time = time.perf_counter() - step_start
         progress.update(1)
 
-        logs.update(budget=budget, resolution=resolution, lr=scheduler.get_last_lr()[0], skipped_images=skipped,
+        if budget is not None:
+            logs["budget"] = budget
+        logs.update(resolution=resolution, lr=scheduler.get_last_lr()[0], skipped_images=skipped,
                     images_per_second=step_images * accelerator.num_processes / step_time,
                     teacher_seconds=teacher_time, student_seconds=step_time - teacher_time)
         progress.set_postfix(loss=f"{logs['loss']:.4f}", C=budget, res=resolution)
@@ -369,7 +388,8 @@ def main():
             checkpoint_now()
         if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
             validation_results = validate(model, validation_batches, budgets, accelerator)
-            accelerator.log({f"validation/loss_C{b}": r["loss"] for b, r in validation_results.items()}, step=global_step)
+            accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in validation_results.items()},
+                            step=global_step)
     progress.close()
     if sources_file is not None:
         sources_file.close()
@@ -385,13 +405,14 @@ def main():
                            ).save_pretrained(output_dir)
         summary = {"step": global_step, "images_seen_main_process": images_seen, "skipped_images": skipped,
                    "skipped_validation_images": validation_skipped,
-                   "validation": {str(b): r for b, r in (validation_results or {}).items()}}
+                   "student_type": model_args.student_type,
+                   "validation": {budget_label(b): r for b, r in (validation_results or {}).items()}}
         (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
         if validation_results:
             print(f"\nValidation loss per budget after {global_step} steps ({validation_resolution}px):")
             print("| budget C | loss | global (1-cos) | dense (1-cos) |\n|---|---|---|---|")
             for b, r in validation_results.items():
-                print(f"| {b} | {r['loss']:.4f} | {r['global_loss']:.4f} | {r['dense_cosine_loss']:.4f} |")
+                print(f"| {budget_label(b)} | {r['loss']:.4f} | {r['global_loss']:.4f} | {r['dense_cosine_loss']:.4f} |")
         print(f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import veca_hf`).")
     accelerator.end_training()
 

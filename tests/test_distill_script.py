@@ -150,3 +150,25 @@ def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
     assert result.returncode != 0
     assert "--budgets entry=12 is not a valid budget" in result.stderr
+
+
+def test_dense_student_sees_the_same_data_and_saves_a_dinov3_model(workspace, tmp_path):
+    """The attention-pattern control: same stream, steps and loss as VECA, a `DINOv3ViTModel` saved at the end."""
+    common = dict(log_sample_sources="true", max_train_steps=3, checkpointing_steps=0, validation_steps=3)
+    run_distill(distill_args(workspace, tmp_path / "veca", **common))
+    result = run_distill(distill_args(workspace, tmp_path / "dense", student_type="dense", **common))
+    assert "| dense |" in result.stdout
+    summary = json.loads((tmp_path / "dense" / "distill_results.json").read_text())
+    assert summary["student_type"] == "dense" and set(summary["validation"]) == {"dense"}
+    model = AutoModel.from_pretrained(tmp_path / "dense")
+    assert isinstance(model, DINOv3ViTModel)
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2 and model.config.use_gated_mlp
+    sources = [(tmp_path / kind / "sample_sources" / "rank0.txt").read_text() for kind in ("veca", "dense")]
+    assert sources[0] == sources[1] and len(sources[0].splitlines()) == 3 * 4
+
+
+def test_unknown_student_type_fails_with_a_clear_message(workspace, tmp_path):
+    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "bad", student_type="convnet")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
+    assert result.returncode != 0
+    assert "--student_type 'convnet' is not one of 'veca', 'dense'" in result.stderr

@@ -15,8 +15,10 @@ from veca_hf.distillation import (
     BudgetSampler,
     DistillationLoss,
     ResolutionSchedule,
+    StudentWithLoss,
     TeacherTargets,
     compute_teacher_targets,
+    dense_student_config,
     get_parameter_groups,
     teacher_image_size,
 )
@@ -165,3 +167,43 @@ def test_loss_falls_when_overfitting_a_tiny_set():
         optimizer.step()
         losses.append(loss.item())
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+
+
+def test_dense_student_matches_veca_size_except_cores_and_layer_scale():
+    config = tiny_config()
+    dense = DINOv3ViTModel(dense_student_config(config))
+    veca = VecaModel(config)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
+                 "rope_theta", "pos_embed_shift", "pos_embed_rescale", "layer_norm_eps"):
+        assert getattr(dense.config, name) == getattr(config, name), name
+    assert dense.config.use_gated_mlp and dense.config.key_bias and dense.config.num_register_tokens == 0
+
+    def count(model, exclude=()):
+        return sum(p.numel() for n, p in model.named_parameters() if not any(e in n for e in exclude))
+
+    # Same blocks: the only parameters that differ are VECA's core bank + coordinate heads and DINOv3's CLS, mask
+    # token and LayerScales.
+    veca_only = ("core_tokens", "core_coordinates", "core_coordinate_heads")
+    dense_only = ("cls_token", "mask_token", "layer_scale")
+    assert count(veca, veca_only) == count(dense, dense_only)
+
+
+def test_student_with_loss_reads_cls_and_patches_of_a_dense_student():
+    torch.manual_seed(0)
+    config = tiny_config()
+    teacher = DINOv3ViTModel(tiny_dinov3_config()).eval()
+    pixel_values = torch.randn(2, 3, 32, 48)
+    targets = compute_teacher_targets(teacher, pixel_values, 16)
+    for num_register_tokens in (0, 2):
+        dense = DINOv3ViTModel(dense_student_config(config, num_register_tokens=num_register_tokens)).eval()
+        criterion = DistillationLoss(64, 64)
+        terms = StudentWithLoss(dense, criterion)(pixel_values, None, targets.cls, targets.patches)
+        hidden = dense(pixel_values).last_hidden_state  # (2, 1 + R + 6, 64)
+        expected = criterion(hidden[:, 0], hidden[:, 1 + num_register_tokens :], targets)
+        torch.testing.assert_close(terms["loss"], expected["loss"])
+
+    veca = VecaModel(config).eval()
+    terms = StudentWithLoss(veca, DistillationLoss(64, 64))(pixel_values, 8, targets.cls, targets.patches)
+    outputs = veca(pixel_values, num_core_tokens=8)
+    expected = DistillationLoss(64, 64)(outputs.pooler_output, outputs.last_hidden_state[:, 8:], targets)
+    torch.testing.assert_close(terms["loss"], expected["loss"])

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers import DINOv3ViTConfig
 from transformers.utils import logging
+
+from .configuration_veca import VecaConfig
 
 
 logger = logging.get_logger(__name__)
@@ -263,14 +266,50 @@ def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def dense_student_config(config: VecaConfig, num_register_tokens: int = 0) -> DINOv3ViTConfig:
+    """A `DINOv3ViTConfig` of the same size as a VECA config: the control student whose only difference is dense
+    patch-to-patch attention (and a CLS token in place of the core bank).
+
+    Width, depth, heads, SwiGLU MLP, biases, patch size, RoPE base and the training-time RoPE augmentations are
+    copied. What DINOv3's block has and VECA's has not: a learnable LayerScale per branch (initialised to 1, i.e.
+    the identity at start) and RoPE without zeroed low frequencies.
+    """
+    return DINOv3ViTConfig(
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_act=config.hidden_act,
+        use_gated_mlp=True,
+        query_bias=True,
+        key_bias=True,
+        value_bias=True,
+        proj_bias=True,
+        mlp_bias=True,
+        layerscale_value=1.0,
+        layer_norm_eps=config.layer_norm_eps,
+        initializer_range=config.initializer_range,
+        image_size=config.image_size,
+        patch_size=config.patch_size,
+        num_channels=config.num_channels,
+        num_register_tokens=num_register_tokens,
+        rope_theta=config.rope_theta,
+        pos_embed_shift=config.pos_embed_shift,
+        pos_embed_jitter=config.pos_embed_jitter,
+        pos_embed_rescale=config.pos_embed_rescale,
+    )
 
 
 class StudentWithLoss(nn.Module):
     """The trainable part of distillation in one module (student + optional projection), so DDP / DeepSpeed wrap
     one model and unused-parameter handling covers both.
 
+    The student is a `VecaModel` (global feature: core 1; patches: the tokens after the `C` active cores) or a dense
+    `DINOv3ViTModel` control (global feature: CLS; patches: the tokens after CLS and registers; the budget is
+    ignored).
+
     Args:
-        student (`VecaModel`): the student.
+        student (`VecaModel` or `DINOv3ViTModel`): the student.
         criterion (`DistillationLoss`): the loss, possibly holding a trainable projection.
     """
 
@@ -278,12 +317,23 @@ class StudentWithLoss(nn.Module):
         super().__init__()
         self.student = student
         self.criterion = criterion
+        self.is_veca = student.config.model_type == "veca"
+        self.num_prefix_tokens = 0 if self.is_veca else 1 + int(getattr(student.config, "num_register_tokens", 0) or 0)
 
     def forward(
-        self, pixel_values: torch.Tensor, num_core_tokens: int, teacher_cls: torch.Tensor, teacher_patches: torch.Tensor
+        self,
+        pixel_values: torch.Tensor,
+        num_core_tokens: int | None,
+        teacher_cls: torch.Tensor,
+        teacher_patches: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        outputs = self.student(pixel_values, num_core_tokens=num_core_tokens)
-        student_patches = outputs.last_hidden_state[:, num_core_tokens:]  # (B, N, D)
+        if self.is_veca:
+            num_prefix_tokens = self.student.resolve_num_core_tokens(num_core_tokens)  # the C active cores
+            outputs = self.student(pixel_values, num_core_tokens=num_prefix_tokens)
+        else:
+            outputs = self.student(pixel_values)
+            num_prefix_tokens = self.num_prefix_tokens
+        student_patches = outputs.last_hidden_state[:, num_prefix_tokens:]  # (B, N, D)
         return self.criterion(outputs.pooler_output, student_patches, TeacherTargets(teacher_cls, teacher_patches))
 
 
@@ -298,6 +348,7 @@ __all__ = [
     "TeacherTargets",
     "WeightedChoice",
     "compute_teacher_targets",
+    "dense_student_config",
     "get_parameter_groups",
     "teacher_image_size",
 ]
