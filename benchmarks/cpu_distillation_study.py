@@ -262,6 +262,7 @@ def plot(summary: dict, output_dir: Path) -> list[Path]:
                 axis.axhline(100 * value, color=color, linestyle=style, label=f"{role} (no budget)")
         axis.set(xlabel="budget C (active cores)", ylabel=label, xscale="log", xticks=[8, 16, 32, 64])
         axis.set_xticklabels(["8", "16", "32", "64"])
+        axis.minorticks_off()
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     axis = axes[-1]

@@ -14,8 +14,9 @@ median latency with min and max. Per point the script also records:
   no compute), inside `sdpa_kernel(SDPBackend.MATH)`: the counter does not see the CPU flash kernel of SDPA, so
   attention is counted as its matmuls. Counted must equal analytic (`flops_match`).
 - images/s, achieved FLOP/s (analytic FLOPs / median latency) and that as a fraction of the device's achieved GEMM
-  throughput (`torch.mm` of two `--gemm_size`^2 matrices in the same dtype, measured at the start and the end of the
-  run; the median over all samples is the reference).
+  throughput (`torch.mm` of two `--gemm_size`^2 matrices in the same dtype), timed once in every interleaved round
+  of the point: each point is compared with the median GEMM of its own rounds, because the throughput of a shared
+  machine drifts. The GEMM is also measured at the start and the end of the run (reported, not used).
 - the share of time spent in attention, from extra calls under `torch.profiler` (`--profile_repeats`, median of
   the shares; the timed calls carry no hooks): forward pre/post hooks on the attention modules
   (`VecaCorePeripheryAttention`, `DINOv3ViTAttention`) open a `record_function` range, without touching the model
@@ -164,6 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile_repeats", type=int, default=3, help="Profiled calls per point (attention share: their median)."
     )
     parser.add_argument("--no_profile", action="store_true", help="Skip profiling (attention share, CPU memory).")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="Model mode: time torch.compile(model, dynamic=True) of both models (inductor; the warm-up compiles). "
+        "Implies --no_profile (the profiler's module hooks do not fire inside compiled graphs).",
+    )
+    parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend for --compile.")
     parser.add_argument("--no_plots", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -177,8 +185,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for resolution in args.resolutions:
         if resolution % 16:
             parser.error(f"resolution {resolution} is not a multiple of the patch size 16")
+    if args.compile:
+        if args.mode != "model":
+            parser.error("--compile applies to --mode model only")
+        args.no_profile = True
     if args.output_dir is None:
-        name = f"{args.size}_{args.mode}_{args.device}_{args.dtype}" + ("_tiny" if args.tiny else "")
+        name = f"{args.size}_{args.mode}_{args.device}_{args.dtype}" + ("_compiled" if args.compile else "")
+        name += "_tiny" if args.tiny else ""
         args.output_dir = str(Path(__file__).resolve().parent / "results" / name)
     return args
 
@@ -280,17 +293,20 @@ def time_call(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def measure_gemm(size: int, dtype: torch.dtype, device: torch.device, repeats: int) -> list[float]:
-    """Achieved FLOP/s samples of `torch.mm` on two `(size, size)` matrices (after one untimed call)."""
+def make_gemm(size: int, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
+    """The GEMM reference: `torch.mm` of two `(size, size)` matrices, and its FLOPs."""
     generator = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
-    flops = 2 * size**3
+    return (lambda: torch.mm(a, b)), 2 * size**3
+
+
+def measure_gemm(size: int, dtype: torch.dtype, device: torch.device, repeats: int) -> list[float]:
+    """Achieved FLOP/s samples of the GEMM reference (after one untimed call)."""
+    gemm, flops = make_gemm(size, dtype, device)
     with torch.inference_mode():
-        torch.mm(a, b)
-        samples = [flops / time_call(lambda: torch.mm(a, b), device) for _ in range(repeats)]
-    del a, b
-    return samples
+        gemm()
+        return [flops / time_call(gemm, device) for _ in range(repeats)]
 
 
 # --- inputs for the attention blocks -------------------------------------------------------------------------------
@@ -407,6 +423,10 @@ def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> l
     if mode == "model":
         dinov3 = DINOv3ViTModel(dinov3_config).to(device=device, dtype=dtype).eval()
         veca = VecaModel(veca_config).to(device=device, dtype=dtype).eval()
+        # One graph per model for every budget and resolution (docs/usage.md); the first call compiles.
+        compile_kwargs = dict(dynamic=True, backend=args.compile_backend)
+        run_dinov3 = torch.compile(dinov3, **compile_kwargs) if args.compile else dinov3
+        run_veca = torch.compile(veca, **compile_kwargs) if args.compile else veca
         with torch.device("meta"):
             meta_dinov3 = DINOv3ViTModel(dinov3_config).eval()
             meta_veca = VecaModel(veca_config).eval()
@@ -428,7 +448,7 @@ def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> l
                 DINOV3,
                 None,
                 dinov3,
-                lambda r, b: (lambda x=pixel_values(r, b): dinov3(x)),
+                lambda r, b: (lambda x=pixel_values(r, b): run_dinov3(x)),
                 lambda r, b: dinov3_model_flops(dinov3_config, r, r, batch_size=b),
                 lambda r, b: count_flops(meta_dinov3, meta_pixels(r, b)),
                 lambda r: num_patches_for(r, r, patch) + prefix,
@@ -440,7 +460,7 @@ def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> l
                     VECA,
                     budget,
                     veca,
-                    lambda r, b, c=budget: (lambda x=pixel_values(r, b): veca(x, num_core_tokens=c)),
+                    lambda r, b, c=budget: (lambda x=pixel_values(r, b): run_veca(x, num_core_tokens=c)),
                     lambda r, b, c=budget: veca_model_flops(veca_config, r, r, c, batch_size=b),
                     lambda r, b, c=budget: count_flops(meta_veca, meta_pixels(r, b), num_core_tokens=c),
                     lambda r, c=budget: num_patches_for(r, r, patch) + c,
@@ -631,8 +651,11 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_mode(mode, args, veca_config, dinov3_config, device, dtype, gemm_flops_per_s, log) -> list[dict]:
+def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list[dict]:
     cases = build_cases(mode, args, veca_config, dinov3_config, device, dtype)
+    # NOTE: the GEMM reference is timed inside the interleaved rounds too: on a shared machine the throughput drifts
+    # (82 and 129 GFLOP/s at the start and end of one run here), and each point is compared with its own rounds.
+    gemm, gemm_flops = make_gemm(args.gemm_size, dtype, device)
     points: list[dict] = []
     for batch in args.batch_sizes:
         for resolution in args.resolutions:
@@ -660,7 +683,9 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, gemm_flops_p
                         if calls[case.label] is not None:
                             attempt(case, calls[case.label])
                 samples: dict[str, list[float]] = {case.label: [] for case in cases}
-                for _ in range(args.repeats):  # interleaved: DINOv3, then each budget, per repeat
+                gemm_samples = []
+                for _ in range(args.repeats):  # interleaved: the GEMM, DINOv3, then each budget, per repeat
+                    gemm_samples.append(gemm_flops / time_call(gemm, device))
                     for case in cases:
                         call = calls[case.label]
                         if call is not None:
@@ -718,7 +743,8 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, gemm_flops_p
                         },
                         images_per_s=batch / median,
                         achieved_gflops_per_s=achieved / 1e9,
-                        gemm_fraction=achieved / gemm_flops_per_s if gemm_flops_per_s else None,
+                        gemm_reference_gflops_per_s=statistics.median(gemm_samples) / 1e9,
+                        gemm_fraction=achieved / statistics.median(gemm_samples),
                         latency_per_token_us=1e6 * median / (batch * case.num_tokens(resolution)),
                     )
                 else:
@@ -873,13 +899,13 @@ def markdown(result: dict) -> str:
         f"threads {machine['torch_num_threads']}; "
         f"load average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}",
         f"- models: VECA {result['models']['veca']}; DINOv3 {result['models']['dinov3']}",
-        f"- GEMM reference: `torch.mm` {gemm['size']}x{gemm['size']} {args['dtype']}: "
-        f"median {gemm['median_gflops_per_s']:.1f} GFLOP/s (start {gemm['start_median_gflops_per_s']:.1f}, "
-        f"end {gemm['end_median_gflops_per_s']:.1f})",
+        f"- GEMM reference: `torch.mm` {gemm['size']}x{gemm['size']} {args['dtype']}, timed in every interleaved "
+        f"round (column `GEMM GFLOP/s`: the median of each point's rounds); alone at the start "
+        f"{gemm['start_median_gflops_per_s']:.1f} and the end {gemm['end_median_gflops_per_s']:.1f} GFLOP/s",
         f"- timing: {args['warmup']} warm-up + {args['repeats']} timed calls per model, interleaved (DINOv3 then "
         "each budget, per repeat); latency = median [min-max]",
         "- GFLOPs: analytic (`veca_hf.flops`) and counted (`torch.utils.flop_counter` on meta, SDPA as MATH); "
-        "%GEMM = analytic FLOPs / median latency / GEMM reference",
+        "% GEMM = analytic FLOPs / median latency / the point's GEMM reference",
         "- attention share: time inside the attention modules / whole forward, and in brackets the attention "
         f"kernels alone (SDPA or eager matmul+softmax), median of {args['profile_repeats']} `torch.profiler` runs",
         "- forward peak: bytes allocated during the call above the level before it (activations + outputs); "
@@ -888,13 +914,14 @@ def markdown(result: dict) -> str:
     ]
     header = (
         "| res | N | model | C | GFLOPs analytic | GFLOPs counted | latency ms median [min-max] | img/s | "
-        "% GEMM peak | attention share (kernel) | fwd peak MB | latency ratio vs DINOv3 | FLOP ratio vs DINOv3 |"
+        "GEMM GFLOP/s | % GEMM | attention share (kernel) | fwd peak MB | latency ratio vs DINOv3 | "
+        "FLOP ratio vs DINOv3 |"
     )
     points = result["points"]
     for mode in sorted({p["mode"] for p in points}, key=["model", "block"].index):
         title = "whole model" if mode == "model" else "one attention block (q/k/v/o + attention, Table S.14)"
         for batch in args["batch_sizes"]:
-            out += [f"## {mode} mode: {title}, batch {batch}", "", header, "|" + "---|" * 13]
+            out += [f"## {mode} mode: {title}, batch {batch}", "", header, "|" + "---|" * 14]
             for p in points:
                 if p["mode"] != mode or p["batch_size"] != batch:
                     continue
@@ -908,6 +935,7 @@ def markdown(result: dict) -> str:
                     f"| {p['resolution']} | {p['num_patches']} | {p['model']} | {p['budget'] or '-'} | "
                     f"{p['flops_analytic'] / 1e9:.3f} | {counted} | {latency} | "
                     f"{_fmt(p.get('images_per_s'), '.2f')} | "
+                    f"{_fmt(p.get('gemm_reference_gflops_per_s'), '.1f')} | "
                     f"{_fmt(p.get('gemm_fraction') and 100 * p['gemm_fraction'], '.1f')} | {share} | "
                     f"{_fmt(p.get('forward_peak_mb'), '.1f')} | "
                     f"{_fmt(p['latency_ratio_vs_dinov3']) if p['model'] == VECA else '-'} | "
@@ -1022,17 +1050,12 @@ def main(argv: list[str] | None = None) -> dict:
     points: list[dict] = []
     modes = ["model", "block"] if args.mode == "both" else [args.mode]
     for mode in modes:
-        points += run_mode(
-            mode, args, veca_config, dinov3_config, device, dtype, statistics.median(gemm_start), log
-        )
+        points += run_mode(mode, args, veca_config, dinov3_config, device, dtype, log)
 
     gemm_end = measure_gemm(args.gemm_size, dtype, device, args.gemm_repeats)
     gemm_all = gemm_start + gemm_end
     gemm_reference = statistics.median(gemm_all)
     log(f"GEMM {args.gemm_size}^2 {args.dtype}: {statistics.median(gemm_end) / 1e9:.1f} GFLOP/s (end)")
-    for p in points:  # refer every point to the pooled start+end median
-        if p.get("achieved_gflops_per_s") is not None:
-            p["gemm_fraction"] = p["achieved_gflops_per_s"] * 1e9 / gemm_reference
     machine["loadavg_end"] = _loadavg()
     if any(not p["flops_match"] for p in points):
         notes.append("Some counted FLOPs differ from the analytic ones: see flops_match in results.json.")

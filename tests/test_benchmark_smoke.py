@@ -68,6 +68,9 @@ def test_every_point_counted_equals_analytic(tiny_run):
         latency = point["latency_ms"]
         assert latency["min"] <= latency["median"] <= latency["max"] and len(latency["samples"]) == 1
         assert point["images_per_s"] > 0 and point["gemm_fraction"] > 0
+        # each point is compared with the GEMM timed in its own interleaved rounds
+        achieved = point["flops_analytic"] / (point["latency_ms"]["median"] / 1e3) / 1e9
+        assert point["gemm_fraction"] == pytest.approx(achieved / point["gemm_reference_gflops_per_s"], rel=1e-9)
         assert 0.0 <= point["attention_core_share"] <= point["attention_module_share"] <= 1.0
         assert point["forward_peak_mb"] > 0 and point["peak_memory_mb"] > point["forward_peak_mb"]
         if point["model"] == "VECA":
@@ -113,3 +116,20 @@ def test_block_inputs_match_spec_table_on_meta():
     dense_args, dense_kwargs = scaling.make_dinov3_block_inputs(dinov3_config, 1, 1024, 1024, torch.float32, "meta")
     assert scaling._count_call(lambda: veca_block(*veca_args, **veca_kwargs)) == 21_252_538_368
     assert round(scaling._count_call(lambda: dinov3_block(*dense_args, **dense_kwargs)) / 1e9, 3) == 71.016
+
+
+def test_compiled_models_are_timed_with_one_graph_each(tmp_path):
+    """`--compile` wraps both models in `torch.compile(dynamic=True)` (here with the cheap `eager` backend)."""
+    command = [
+        sys.executable, str(SCRIPT), "--tiny", "--size", "veca-s16", "--mode", "model", "--resolutions", "64,96",
+        "--budgets", "8,16", "--warmup", "1", "--repeats", "1", "--threads", "1", "--gemm_size", "128",
+        "--gemm_repeats", "1", "--compile", "--compile_backend", "eager", "--no_plots", "--output_dir", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), "TORCH_LOGS": "recompiles"}
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["args"]["compile"] and result["args"]["no_profile"]
+    assert all(p["latency_ms"]["median"] > 0 and p["flops_match"] for p in result["points"])
+    # the second budget and the second resolution reuse the first graph
+    assert "Recompiling function forward" not in completed.stderr

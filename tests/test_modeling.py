@@ -319,3 +319,26 @@ def test_torch_compile_fullgraph(pixel_values):
                 atol=1e-5,
                 rtol=1e-5,
             )
+
+
+def test_torch_compile_dynamic_builds_one_graph_for_every_budget_and_size():
+    """Inference: `torch.compile(model, dynamic=True)` traces once; new budgets and resolutions reuse the graph.
+
+    (A first call with a square image would tie height to width: duck sizing; a later non-square one recompiles once.)
+    """
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model = VecaModel(tiny_config(num_core_tokens=32)).eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for budget, (height, width) in [(8, (32, 48)), (16, (32, 48)), (24, (64, 64)), (32, (48, 32)), (8, (32, 32))]:
+            pixel_values = torch.randn(2, 3, height, width)
+            torch.testing.assert_close(
+                compiled(pixel_values, num_core_tokens=budget).last_hidden_state,
+                model(pixel_values, num_core_tokens=budget).last_hidden_state,
+                atol=1e-5,
+                rtol=1e-5,
+            )
+    assert counter.frame_count == 1

@@ -226,6 +226,8 @@ class VecaCorePeripheryAttention(nn.Module):
 
         if output_attentions:
             attn_output, attn_weights = self._block_sparse_attention(query_cores, query_patches, key, value)
+        elif self.config._attn_implementation == "sdpa":
+            attn_output, attn_weights = self._sdpa_attention(query_cores, query_patches, key, value), None
         else:
             attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
@@ -242,6 +244,26 @@ class VecaCorePeripheryAttention(nn.Module):
 
         attn_output = self.o_proj(attn_output.reshape(batch_size, num_tokens, -1))  # (B, T, D)
         return attn_output, attn_weights
+
+    def _sdpa_attention(
+        self, query_cores: torch.Tensor, query_patches: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Both calls straight to `scaled_dot_product_attention` (no mask, never causal), written into one
+        `(B, T, H, Hd)` buffer.
+
+        NOTE: the generic SDPA integration makes each output contiguous and the two are then concatenated (two
+        copies instead of one), and its causal test on the query length fails under `torch.compile(dynamic=True)`.
+        """
+        num_cores = query_cores.shape[2]
+        batch_size, num_heads, num_tokens, head_dim = key.shape
+        sdpa = nn.functional.scaled_dot_product_attention
+        core_keys, core_values = key[:, :, :num_cores], value[:, :, :num_cores]  # (B, H, C, Hd)
+        core_output = sdpa(query_cores, key, value, scale=self.scaling)  # (B, H, C, Hd)
+        patch_output = sdpa(query_patches, core_keys, core_values, scale=self.scaling)  # (B, H, N, Hd)
+        attn_output = query_cores.new_empty(batch_size, num_tokens, num_heads, head_dim)
+        attn_output[:, :num_cores] = core_output.transpose(1, 2)
+        attn_output[:, num_cores:] = patch_output.transpose(1, 2)
+        return attn_output  # (B, T, H, Hd)
 
     def _block_sparse_attention(
         self, query_cores: torch.Tensor, query_patches: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -351,10 +373,16 @@ class VecaEmbeddings(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, num_core_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size = pixel_values.shape[0]
-        num_chunks = num_core_tokens // self.config.core_chunk_size
         patches = self.patch_embeddings(pixel_values).flatten(2).transpose(1, 2)  # (B, N, D)
-        cores = torch.cat(list(self.core_tokens[:num_chunks]), dim=0)  # (C, D)
-        core_coordinates = torch.cat(list(self.core_coordinates[:num_chunks]), dim=0)  # (C, 2)
+        if torch.is_grad_enabled():
+            num_chunks = num_core_tokens // self.config.core_chunk_size
+            # Only the active chunks enter the graph: the others get no gradient, so optimisers skip them.
+            cores = torch.cat(list(self.core_tokens[:num_chunks]), dim=0)  # (C, D)
+            core_coordinates = torch.cat(list(self.core_coordinates[:num_chunks]), dim=0)  # (C, 2)
+        else:
+            # NOTE: a slice by the budget (not a list of chunks) keeps one torch.compile graph for every budget.
+            cores = torch.cat(list(self.core_tokens), dim=0)[:num_core_tokens]  # (C, D)
+            core_coordinates = torch.cat(list(self.core_coordinates), dim=0)[:num_core_tokens]  # (C, 2)
         embeddings = torch.cat((cores.expand(batch_size, -1, -1), patches), dim=1)  # (B, T, D)
         return embeddings, core_coordinates.unsqueeze(0)  # (B, T, D), (1, C, 2)
 
