@@ -219,10 +219,8 @@ def summarize(args: StudyArguments, paths: dict[str, Path], probe_results: list[
 
     budgets = sorted(int(b) for b in validation["veca"])
     losses = [validation["veca"][str(b)]["loss"] for b in budgets]
-    largest, smallest = (
-        max(int(b) for b in args.probe_budgets.split(",")),
-        min(int(b) for b in args.probe_budgets.split(",")),
-    )
+    probe_budgets = [int(b) for b in args.probe_budgets.split(",")]
+    largest, smallest = max(probe_budgets), min(probe_budgets)
     checks = {}
     if score("veca", largest) is not None and score("dense", None) is not None:
         gap = 100 * (score("dense", None) - score("veca", largest))

@@ -247,8 +247,13 @@ def main():
     student_config = build_student_config(model_args)
     if model_args.student_type == "veca":
         student = VecaModel(student_config)
-    elif model_args.student_type == "dense":
+        budgets = [int(b) for b in args.budgets.split(",")]
+        for budget in budgets:
+            student_config.check_budget(budget, name="--budgets entry")
+        budget_sampler = BudgetSampler(budgets, [float(w) for w in args.budget_weights.split(",")], seed=args.seed)
+    elif model_args.student_type == "dense":  # no budget: one "budget" None, validated and reported as "dense"
         student = DINOv3ViTModel(dense_student_config(student_config))
+        budgets, budget_sampler = [None], lambda step: None
     else:
         raise ValueError(f"--student_type {model_args.student_type!r} is not one of 'veca', 'dense'.")
     student.set_attn_implementation(model_args.attn_implementation)
@@ -257,13 +262,6 @@ def main():
     criterion = DistillationLoss(student_config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight)
     model = StudentWithLoss(student, criterion).train()
 
-    if model_args.student_type == "veca":
-        budgets = [int(b) for b in args.budgets.split(",")]
-        for budget in budgets:
-            student_config.check_budget(budget, name="--budgets entry")
-        budget_sampler = BudgetSampler(budgets, [float(w) for w in args.budget_weights.split(",")], seed=args.seed)
-    else:  # a dense student has no budget: one "budget" None, validated as "dense"
-        budgets, budget_sampler = [None], lambda step: None
     resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
     for resolution in resolutions.resolutions:
         if resolution % student_config.patch_size:
