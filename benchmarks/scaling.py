@@ -32,6 +32,12 @@ median latency with min and max. Per point the script also records:
   running maximum of the allocation/free events recorded by `torch.profiler(profile_memory=True)` during the
   profiled calls; with `--no_profile` it is `None` on CPU. `peak_memory_mb` adds the module's weights and the
   inputs (pixel values, or the block's hidden states).
+- minor page faults per timed call (CPU, from `getrusage`): how often the kernel had to map fresh memory. glibc
+  serves each tensor above 32 MiB with a fresh `mmap`, paid in 4 KiB faults on first touch; for VECA-B at 1024 px
+  that is ~0.4 million faults per forward, 10-20% of the time on the machine measured in `docs/performance.md`.
+  `THP_MEM_ALLOC_ENABLE=1` in the environment (read by torch once, before the first allocation: set it before
+  starting Python) makes torch's CPU allocator ask for transparent huge pages instead; the machine record shows
+  whether it was set and the kernel's THP mode.
 
 dtype: `bf16` casts the models (weights and activations) to bfloat16, on CPU and GPU alike; no autocast. RoPE
 cos/sin and softmax follow each model's own code (VECA computes cos/sin in fp32 and casts them to the activation
@@ -238,6 +244,24 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def _transparent_hugepage_mode() -> str | None:
+    """The kernel's THP mode (the bracketed word of `.../transparent_hugepage/enabled`), or `None` off Linux."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
+
+
+def minor_page_faults() -> int | None:
+    """Minor page faults of this process so far (`None` where `resource` is unavailable, e.g. Windows)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _call_or_none(owner, name: str):
     try:
         return getattr(owner, name)()
@@ -268,6 +292,8 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_capability": _call_or_none(torch.backends.cpu, "get_cpu_capability"),
         "cpu_avx512_bf16": _call_or_none(torch.cpu, "_is_avx512_bf16_supported"),
         "cpu_amx_tile": _call_or_none(torch.cpu, "_is_amx_tile_supported"),
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+        "transparent_hugepage": _transparent_hugepage_mode(),
     }
     if args.device == "cuda":
         info["device_name"] = torch.cuda.get_device_name()
@@ -683,15 +709,19 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                         if calls[case.label] is not None:
                             attempt(case, calls[case.label])
                 samples: dict[str, list[float]] = {case.label: [] for case in cases}
+                faults: dict[str, list[int]] = {case.label: [] for case in cases}
                 gemm_samples = []
                 for _ in range(args.repeats):  # interleaved: the GEMM, DINOv3, then each budget, per repeat
                     gemm_samples.append(gemm_flops / time_call(gemm, device))
                     for case in cases:
                         call = calls[case.label]
                         if call is not None:
+                            faults_before = minor_page_faults()
                             seconds = attempt(case, lambda call=call: time_call(call, device))
                             if seconds is not None:
                                 samples[case.label].append(seconds)
+                                if faults_before is not None:
+                                    faults[case.label].append(minor_page_faults() - faults_before)
                 extra: dict[str, dict] = {case.label: {} for case in cases}
                 for case in cases:
                     call = calls[case.label]
@@ -746,6 +776,9 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                         gemm_reference_gflops_per_s=statistics.median(gemm_samples) / 1e9,
                         gemm_fraction=achieved / statistics.median(gemm_samples),
                         latency_per_token_us=1e6 * median / (batch * case.num_tokens(resolution)),
+                        minor_page_faults_per_call=(
+                            statistics.median(faults[case.label]) if faults[case.label] else None
+                        ),
                     )
                 else:
                     point["latency_ms"] = None
@@ -785,6 +818,8 @@ def _one_line(p: dict) -> str:
     text += f"  {lat['median']:9.2f} ms [{lat['min']:.2f}-{lat['max']:.2f}]" if lat else "  (failed)"
     if p.get("gemm_fraction") is not None:
         text += f"  {100 * p['gemm_fraction']:5.1f}% GEMM"
+    if p.get("minor_page_faults_per_call") is not None:
+        text += f"  {p['minor_page_faults_per_call'] / 1e3:.1f}k faults"
     if p.get("attention_core_share") is not None:
         text += f"  attn {100 * p['attention_module_share']:4.1f}%/{100 * p['attention_core_share']:4.1f}%"
     if p["model"] == VECA and p.get("latency_ratio_vs_dinov3") is not None:
@@ -897,7 +932,9 @@ def markdown(result: dict) -> str:
         f"- device: {args['device']} ({machine['device_name']}); CPU: {machine['cpu_model']}; "
         f"torch {machine['torch_version']}, transformers {machine['transformers_version']}; "
         f"threads {machine['torch_num_threads']}; "
-        f"load average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}",
+        f"load average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}; "
+        f"THP_MEM_ALLOC_ENABLE={machine.get('thp_mem_alloc_enable')}, kernel THP mode "
+        f"{machine.get('transparent_hugepage')}",
         f"- models: VECA {result['models']['veca']}; DINOv3 {result['models']['dinov3']}",
         f"- GEMM reference: `torch.mm` {gemm['size']}x{gemm['size']} {args['dtype']}, timed in every interleaved "
         f"round (column `GEMM GFLOP/s`: the median of each point's rounds); alone at the start "
@@ -914,14 +951,14 @@ def markdown(result: dict) -> str:
     ]
     header = (
         "| res | N | model | C | GFLOPs analytic | GFLOPs counted | latency ms median [min-max] | img/s | "
-        "GEMM GFLOP/s | % GEMM | attention share (kernel) | fwd peak MB | latency ratio vs DINOv3 | "
-        "FLOP ratio vs DINOv3 |"
+        "GEMM GFLOP/s | % GEMM | attention share (kernel) | fwd peak MB | page faults / call | "
+        "latency ratio vs DINOv3 | FLOP ratio vs DINOv3 |"
     )
     points = result["points"]
     for mode in sorted({p["mode"] for p in points}, key=["model", "block"].index):
         title = "whole model" if mode == "model" else "one attention block (q/k/v/o + attention, Table S.14)"
         for batch in args["batch_sizes"]:
-            out += [f"## {mode} mode: {title}, batch {batch}", "", header, "|" + "---|" * 14]
+            out += [f"## {mode} mode: {title}, batch {batch}", "", header, "|" + "---|" * 15]
             for p in points:
                 if p["mode"] != mode or p["batch_size"] != batch:
                     continue
@@ -938,6 +975,7 @@ def markdown(result: dict) -> str:
                     f"{_fmt(p.get('gemm_reference_gflops_per_s'), '.1f')} | "
                     f"{_fmt(p.get('gemm_fraction') and 100 * p['gemm_fraction'], '.1f')} | {share} | "
                     f"{_fmt(p.get('forward_peak_mb'), '.1f')} | "
+                    f"{_fmt(p.get('minor_page_faults_per_call'), '.0f')} | "
                     f"{_fmt(p['latency_ratio_vs_dinov3']) if p['model'] == VECA else '-'} | "
                     f"{_fmt(p['flop_ratio_vs_dinov3']) if p['model'] == VECA else '-'} |"
                 )
@@ -1042,6 +1080,14 @@ def main(argv: list[str] | None = None) -> dict:
         )
         notes.append(warning)
         log("WARNING: " + warning)
+    if device.type == "cpu" and machine["transparent_hugepage"] in ("madvise", "always"):
+        if machine["thp_mem_alloc_enable"] != "1":
+            note = (
+                "THP_MEM_ALLOC_ENABLE is not set: tensors above 32 MiB are paid for in 4 KiB page faults on every "
+                "call (see minor page faults per call); set THP_MEM_ALLOC_ENABLE=1 before starting Python."
+            )
+            notes.append(note)
+            log("NOTE: " + note)
     if device.type == "cpu":
         notes.append(
             "CPU memory: from torch.profiler allocation events (tensor allocations through torch's CPU allocator); "

@@ -73,6 +73,7 @@ def test_every_point_counted_equals_analytic(tiny_run):
         assert point["gemm_fraction"] == pytest.approx(achieved / point["gemm_reference_gflops_per_s"], rel=1e-9)
         assert 0.0 <= point["attention_core_share"] <= point["attention_module_share"] <= 1.0
         assert point["forward_peak_mb"] > 0 and point["peak_memory_mb"] > point["forward_peak_mb"]
+        assert isinstance(point["minor_page_faults_per_call"], (int, float)) and point["minor_page_faults_per_call"] >= 0
         if point["model"] == "VECA":
             assert point["num_tokens"] == point["num_patches"] + point["budget"]
             assert point["latency_ratio_vs_dinov3"] > 0 and point["flop_ratio_vs_dinov3"] > 0
@@ -86,6 +87,8 @@ def test_json_metadata_and_summary(tiny_run):
     machine = result["machine"]
     assert machine["torch_version"] == torch.__version__ and machine["torch_num_threads"] == 1
     assert "cpu_model" in machine and machine["device"] == "cpu"
+    assert machine["thp_mem_alloc_enable"] == os.environ.get("THP_MEM_ALLOC_ENABLE")
+    assert machine["transparent_hugepage"] in (None, "always", "madvise", "never")
     assert "--tiny" in result["command"] and result["args"]["budgets"] == list(BUDGETS)
     assert result["gemm"]["median_gflops_per_s"] > 0
     assert result["models"]["veca"]["hidden_size"] == result["models"]["dinov3"]["hidden_size"] == 64
@@ -133,3 +136,16 @@ def test_compiled_models_are_timed_with_one_graph_each(tmp_path):
     assert all(p["latency_ms"]["median"] > 0 and p["flops_match"] for p in result["points"])
     # the second budget and the second resolution reuse the first graph
     assert "Recompiling function forward" not in completed.stderr
+
+
+def test_minor_page_faults_see_fresh_memory():
+    """The fault counter behind `minor_page_faults_per_call` sees a fresh 64 MiB buffer being touched: at least one
+    fault per 2 MiB huge page, whatever the allocator and THP settings."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import scaling
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    before = scaling.minor_page_faults()
+    torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)
+    assert scaling.minor_page_faults() - before >= 32

@@ -342,3 +342,18 @@ def test_torch_compile_dynamic_builds_one_graph_for_every_budget_and_size():
                 rtol=1e-5,
             )
     assert counter.frame_count == 1
+
+
+def test_patch_embedding_gemm_equals_the_convolution():
+    """`embed_patches` runs the `Conv2d` as one GEMM over flattened patches: same values and gradients."""
+    model = make_model()
+    pixel_values = torch.randn(2, 3, 48, 80, requires_grad=True)
+    conv = model.embeddings.patch_embeddings
+    expected = conv(pixel_values).flatten(2).transpose(1, 2)  # (B, N, D), row-major patches
+    patches = model.embeddings.embed_patches(pixel_values)
+    torch.testing.assert_close(patches, expected, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(expected)
+    grads = torch.autograd.grad((patches * weights).sum(), (pixel_values, conv.weight, conv.bias))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (pixel_values, conv.weight, conv.bias))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)

@@ -371,9 +371,22 @@ class VecaEmbeddings(nn.Module):
             [nn.Parameter(torch.empty(config.core_chunk_size, 2)) for _ in range(num_chunks)]
         )
 
+    def embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """`(B, 3, H, W)` -> `(B, N, D)`, row-major patches: the `patch_embeddings` convolution, run as one GEMM.
+
+        NOTE: a convolution whose stride equals its kernel is a linear map of the flattened patches; as `F.linear`
+        it ran ~1.5x faster than oneDNN's convolution on CPU at 1024 px. The weights stay a `Conv2d` (same checkpoints).
+        """
+        batch_size, num_channels, height, width = pixel_values.shape
+        patch_size = self.config.patch_size
+        rows, cols = height // patch_size, width // patch_size
+        patches = pixel_values.reshape(batch_size, num_channels, rows, patch_size, cols, patch_size)
+        patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch_size, rows * cols, -1)  # (B, N, 3 p p)
+        return nn.functional.linear(patches, self.patch_embeddings.weight.flatten(1), self.patch_embeddings.bias)
+
     def forward(self, pixel_values: torch.Tensor, num_core_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size = pixel_values.shape[0]
-        patches = self.patch_embeddings(pixel_values).flatten(2).transpose(1, 2)  # (B, N, D)
+        patches = self.embed_patches(pixel_values)  # (B, N, D)
         if torch.is_grad_enabled():
             num_chunks = num_core_tokens // self.config.core_chunk_size
             # Only the active chunks enter the graph: the others get no gradient, so optimisers skip them.
