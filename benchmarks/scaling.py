@@ -32,12 +32,11 @@ median latency with min and max. Per point the script also records:
   running maximum of the allocation/free events recorded by `torch.profiler(profile_memory=True)` during the
   profiled calls; with `--no_profile` it is `None` on CPU. `peak_memory_mb` adds the module's weights and the
   inputs (pixel values, or the block's hidden states).
-- minor page faults per timed call (CPU, from `getrusage`): how often the kernel had to map fresh memory. glibc
-  serves each tensor above 32 MiB with a fresh `mmap`, paid in 4 KiB faults on first touch; for VECA-B at 1024 px
-  that is ~0.4 million faults per forward, 10-20% of the time on the machine measured in `docs/performance.md`.
-  `THP_MEM_ALLOC_ENABLE=1` in the environment (read by torch once, before the first allocation: set it before
-  starting Python) makes torch's CPU allocator ask for transparent huge pages instead; the machine record shows
-  whether it was set and the kernel's THP mode.
+- minor page faults per timed call (CPU, from `getrusage`): how often the kernel mapped fresh memory. glibc serves
+  each tensor above 32 MiB with a fresh `mmap`, paid in 4 KiB faults on first touch (VECA-B at 1024 px: 0.2-0.4
+  million per forward). The machine record says whether `THP_MEM_ALLOC_ENABLE` (torch's opt-in to transparent huge
+  pages, read once before the first allocation) was set and the kernel's THP mode, so that runs with different
+  allocator settings can be told apart.
 
 dtype: `bf16` casts the models (weights and activations) to bfloat16, on CPU and GPU alike; no autocast. RoPE
 cos/sin and softmax follow each model's own code (VECA computes cos/sin in fp32 and casts them to the activation
@@ -1080,14 +1079,6 @@ def main(argv: list[str] | None = None) -> dict:
         )
         notes.append(warning)
         log("WARNING: " + warning)
-    if device.type == "cpu" and machine["transparent_hugepage"] in ("madvise", "always"):
-        if machine["thp_mem_alloc_enable"] != "1":
-            note = (
-                "THP_MEM_ALLOC_ENABLE is not set: tensors above 32 MiB are paid for in 4 KiB page faults on every "
-                "call (see minor page faults per call); set THP_MEM_ALLOC_ENABLE=1 before starting Python."
-            )
-            notes.append(note)
-            log("NOTE: " + note)
     if device.type == "cpu":
         notes.append(
             "CPU memory: from torch.profiler allocation events (tensor allocations through torch's CPU allocator); "

@@ -357,3 +357,15 @@ def test_patch_embedding_gemm_equals_the_convolution():
     expected_grads = torch.autograd.grad((expected * weights).sum(), (pixel_values, conv.weight, conv.bias))
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
+def test_inference_mlp_equals_the_autograd_mlp(hidden_act):
+    """Without autograd the SwiGLU activates and gates in place: same values as the autograd path."""
+    model = make_model(hidden_act=hidden_act)
+    mlp = model.encoder.layer[0].mlp
+    hidden_states = torch.randn(2, 20, model.config.hidden_size)
+    expected = mlp(hidden_states)
+    assert expected.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(hidden_states), expected.detach(), rtol=1e-5, atol=1e-6)
