@@ -184,7 +184,8 @@ def eager_attention_forward(
 
 
 class VecaCorePeripheryAttention(nn.Module):
-    """Multi-head core-periphery attention: two attention calls through transformers' attention interface.
+    """Multi-head core-periphery attention: two attention calls, straight to `scaled_dot_product_attention` for
+    `"sdpa"` and through transformers' attention interface for every other implementation.
 
     Call 1 lets the `C` cores attend to all `C + N` tokens, call 2 lets the `N` patches attend to the cores only.
     No `(C + N)^2` score matrix is built, except for `output_attentions=True`, where the output is computed from
