@@ -6,17 +6,19 @@ Both models have random weights. The DINOv3 config copies VECA's hidden size, de
 the matching DINOv3 release (intermediate 1536 for S, 3072 for B, 4096 for L; plain GELU MLP), 4 register tokens,
 patch 16. Both use the same attention implementation (`--attn_implementation`, default `sdpa`).
 
-For every (mode, batch size, resolution) the models are timed *interleaved*: after the warm-up, each repeat runs
-DINOv3 and then every VECA budget in turn, so that drift on a shared machine affects all alike; each point reports the
-median latency with min and max. Per point the script also records:
+For every (mode, batch size) the models are timed *interleaved*: after the warm-up, each of the `--repeats` rounds
+runs the GEMM reference and then, per resolution, DINOv3 and every VECA budget in turn, so that drift on a shared
+machine affects all alike. Each point reports the median latency with min and max, and every ratio comes two ways:
+the ratio of the medians, and the *paired* ratio, the median over the rounds of the ratio within one round (the
+calls of a round run back to back, so slow drift between rounds cancels). Per point the script also records:
 
 - analytic FLOPs (`veca_hf.flops`) and FLOPs counted by `torch.utils.flop_counter` on the meta device (shapes only,
   no compute), inside `sdpa_kernel(SDPBackend.MATH)`: the counter does not see the CPU flash kernel of SDPA, so
   attention is counted as its matmuls. Counted must equal analytic (`flops_match`).
 - images/s, achieved FLOP/s (analytic FLOPs / median latency) and that as a fraction of the device's achieved GEMM
-  throughput (`torch.mm` of two `--gemm_size`^2 matrices in the same dtype), timed once in every interleaved round
-  of the point: each point is compared with the median GEMM of its own rounds, because the throughput of a shared
-  machine drifts. The GEMM is also measured at the start and the end of the run (reported, not used).
+  throughput (`torch.mm` of two `--gemm_size`^2 matrices in the same dtype), timed once in every interleaved round:
+  the points are compared with the median GEMM of their own rounds, because the throughput of a shared machine
+  drifts. The GEMM is also measured at the start and the end of the run (reported, not used).
 - the share of time spent in attention, from extra calls under `torch.profiler` (`--profile_repeats`, median of
   the shares; the timed calls carry no hooks): forward pre/post hooks on the attention modules
   (`VecaCorePeripheryAttention`, `DINOv3ViTAttention`) open a `record_function` range, without touching the model
@@ -676,76 +678,93 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _paired_median(numerators: list, denominators: list) -> float | None:
+    """Median over the rounds of `numerators[i] / denominators[i]`, skipping rounds where either call failed."""
+    ratios = [a / b for a, b in zip(numerators, denominators) if a is not None and b is not None]
+    return statistics.median(ratios) if ratios else None
+
+
 def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list[dict]:
     cases = build_cases(mode, args, veca_config, dinov3_config, device, dtype)
     # NOTE: the GEMM reference is timed inside the interleaved rounds too: on a shared machine the throughput drifts
-    # (82 and 129 GFLOP/s at the start and end of one run here), and each point is compared with its own rounds.
+    # (82 and 129 GFLOP/s at the start and end of one run here), and the points are compared with their own rounds.
     gemm, gemm_flops = make_gemm(args.gemm_size, dtype, device)
     points: list[dict] = []
     for batch in args.batch_sizes:
+        # NOTE: every resolution runs in the same rounds, so that ratios across resolutions (latency per token) are
+        # paired in time as the VECA/DINOv3 ratios are.
+        keys = [(resolution, case) for resolution in args.resolutions for case in cases]
+        log(f"[{mode}] batch {batch}, resolutions {', '.join(map(str, args.resolutions))} px, interleaved")
+        calls: dict[tuple, Callable | None] = {}
+        errors: dict[tuple, str] = {}
+
+        def attempt(key, action):
+            try:
+                return action()
+            except Exception as error:  # noqa: BLE001 - record OOM (or anything) and go on
+                if not _is_oom(error) and not isinstance(error, RuntimeError):
+                    raise
+                errors[key] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                calls[key] = None
+                _release(device)
+                return None
+
+        with torch.inference_mode():
+            for resolution, case in keys:
+                key = (resolution, case.label)
+                calls[key] = attempt(key, lambda r=resolution, case=case: case.make_call(r, batch))
+            for _ in range(args.warmup):
+                for key, call in calls.items():
+                    if call is not None:
+                        attempt(key, call)
+            # One round: the GEMM, then per resolution DINOv3 and each budget. Lists are indexed by round; None where
+            # a call failed.
+            samples: dict[tuple, list[float | None]] = {key: [] for key in calls}
+            faults: dict[tuple, list[int]] = {key: [] for key in calls}
+            gemm_samples = []
+            for _ in range(args.repeats):
+                gemm_samples.append(gemm_flops / time_call(gemm, device))
+                for key in calls:
+                    call = calls[key]
+                    seconds = None
+                    if call is not None:
+                        faults_before = minor_page_faults()
+                        seconds = attempt(key, lambda call=call: time_call(call, device))
+                        if seconds is not None and faults_before is not None:
+                            faults[key].append(minor_page_faults() - faults_before)
+                    samples[key].append(seconds)
+            extra: dict[tuple, dict] = {key: {} for key in calls}
+            for resolution, case in keys:
+                key = (resolution, case.label)
+                call = calls[key]
+                if call is None:
+                    continue
+                if device.type == "cuda":
+                    peak = attempt(key, lambda call=call: cuda_forward_peak_bytes(call, device))
+                    extra[key]["forward_peak_bytes"] = peak
+                if not args.no_profile:
+                    runs = [
+                        attempt(key, lambda call=call, case=case: profile_call(call, case.module, device))
+                        for _ in range(args.profile_repeats)
+                    ]
+                    if all(runs):
+                        extra[key].update(_merge_profiles(runs, device))
+
+        gemm_reference = statistics.median(gemm_samples)
         for resolution in args.resolutions:
             num_patches = num_patches_for(resolution, resolution, veca_config.patch_size)
-            log(f"[{mode}] batch {batch}, {resolution} px (N = {num_patches})")
-            calls: dict[str, Callable | None] = {}
-            errors: dict[str, str] = {}
-
-            def attempt(case, action):
-                try:
-                    return action()
-                except Exception as error:  # noqa: BLE001 - record OOM (or anything) and go on
-                    if not _is_oom(error) and not isinstance(error, RuntimeError):
-                        raise
-                    errors[case.label] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                    calls[case.label] = None
-                    _release(device)
-                    return None
-
-            with torch.inference_mode():
-                for case in cases:
-                    calls[case.label] = attempt(case, lambda case=case: case.make_call(resolution, batch))
-                for _ in range(args.warmup):
-                    for case in cases:
-                        if calls[case.label] is not None:
-                            attempt(case, calls[case.label])
-                samples: dict[str, list[float]] = {case.label: [] for case in cases}
-                faults: dict[str, list[int]] = {case.label: [] for case in cases}
-                gemm_samples = []
-                for _ in range(args.repeats):  # interleaved: the GEMM, DINOv3, then each budget, per repeat
-                    gemm_samples.append(gemm_flops / time_call(gemm, device))
-                    for case in cases:
-                        call = calls[case.label]
-                        if call is not None:
-                            faults_before = minor_page_faults()
-                            seconds = attempt(case, lambda call=call: time_call(call, device))
-                            if seconds is not None:
-                                samples[case.label].append(seconds)
-                                if faults_before is not None:
-                                    faults[case.label].append(minor_page_faults() - faults_before)
-                extra: dict[str, dict] = {case.label: {} for case in cases}
-                for case in cases:
-                    call = calls[case.label]
-                    if call is None:
-                        continue
-                    if device.type == "cuda":
-                        peak = attempt(case, lambda call=call: cuda_forward_peak_bytes(call, device))
-                        extra[case.label]["forward_peak_bytes"] = peak
-                    if not args.no_profile:
-                        runs = [
-                            attempt(case, lambda call=call, case=case: profile_call(call, case.module, device))
-                            for _ in range(args.profile_repeats)
-                        ]
-                        if all(runs):
-                            extra[case.label].update(_merge_profiles(runs, device))
-
+            log(f"    {resolution} px (N = {num_patches})")
             mode_points = []
             for case in cases:
+                key = (resolution, case.label)
                 if mode == "model":
                     input_bytes = batch * 3 * resolution**2 * dtype.itemsize
                 else:
                     input_bytes = batch * case.num_tokens(resolution) * veca_config.hidden_size * dtype.itemsize
                 analytic = case.analytic_flops(resolution, batch)
                 counted = case.counted_flops(resolution, batch)
-                times = samples[case.label]
+                rounds = samples[key]
+                times = [t for t in rounds if t is not None]
                 point: dict[str, Any] = {
                     "mode": mode,
                     "batch_size": batch,
@@ -758,7 +777,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                     "flops_analytic": analytic,
                     "flops_counted": counted,
                     "flops_match": analytic == counted,
-                    "error": errors.get(case.label),
+                    "error": errors.get(key),
                 }
                 if times:
                     median = statistics.median(times)
@@ -768,24 +787,22 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                             "median": 1e3 * median,
                             "min": 1e3 * min(times),
                             "max": 1e3 * max(times),
-                            "samples": [1e3 * t for t in times],
+                            "samples": [None if t is None else 1e3 * t for t in rounds],  # one per round
                         },
                         images_per_s=batch / median,
                         achieved_gflops_per_s=achieved / 1e9,
-                        gemm_reference_gflops_per_s=statistics.median(gemm_samples) / 1e9,
-                        gemm_fraction=achieved / statistics.median(gemm_samples),
+                        gemm_reference_gflops_per_s=gemm_reference / 1e9,
+                        gemm_fraction=achieved / gemm_reference,
                         latency_per_token_us=1e6 * median / (batch * case.num_tokens(resolution)),
-                        minor_page_faults_per_call=(
-                            statistics.median(faults[case.label]) if faults[case.label] else None
-                        ),
+                        minor_page_faults_per_call=statistics.median(faults[key]) if faults[key] else None,
                     )
                 else:
                     point["latency_ms"] = None
-                peak = extra[case.label].get("forward_peak_bytes")
+                peak = extra[key].get("forward_peak_bytes")
                 weights = _param_bytes(case.module)
                 point.update(
-                    attention_module_share=extra[case.label].get("attention_module_share"),
-                    attention_core_share=extra[case.label].get("attention_core_share"),
+                    attention_module_share=extra[key].get("attention_module_share"),
+                    attention_core_share=extra[key].get("attention_core_share"),
                     forward_peak_mb=None if peak is None else peak / MIB,
                     weights_mb=weights / MIB,
                     peak_memory_mb=None if peak is None else (peak + weights + input_bytes) / MIB,
@@ -798,16 +815,20 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                 mode_points.append(point)
 
             dense = next(p for p in mode_points if p["model"] == DINOV3)
+            dense_rounds = samples[(resolution, DINOV3)]
             for point in mode_points:
                 point["flop_ratio_vs_dinov3"] = point["flops_analytic"] / dense["flops_analytic"]
                 both = point["latency_ms"] and dense["latency_ms"]
                 point["latency_ratio_vs_dinov3"] = (
                     point["latency_ms"]["median"] / dense["latency_ms"]["median"] if both else None
                 )
+                point["paired_latency_ratio_vs_dinov3"] = _paired_median(
+                    samples[(resolution, point["label"])], dense_rounds
+                )
                 log("    " + _one_line(point))
             points.extend(mode_points)
-            calls.clear()
-            _release(device)
+        calls.clear()
+        _release(device)
     return points
 
 
@@ -822,7 +843,10 @@ def _one_line(p: dict) -> str:
     if p.get("attention_core_share") is not None:
         text += f"  attn {100 * p['attention_module_share']:4.1f}%/{100 * p['attention_core_share']:4.1f}%"
     if p["model"] == VECA and p.get("latency_ratio_vs_dinov3") is not None:
-        text += f"  x{p['latency_ratio_vs_dinov3']:.3f} time, x{p['flop_ratio_vs_dinov3']:.3f} FLOPs vs DINOv3"
+        text += (
+            f"  x{p['latency_ratio_vs_dinov3']:.3f} time (paired x{_fmt(p.get('paired_latency_ratio_vs_dinov3'))}),"
+            f" x{p['flop_ratio_vs_dinov3']:.3f} FLOPs vs DINOv3"
+        )
     if not p["flops_match"]:
         text += f"  COUNTED {p['flops_counted']} != ANALYTIC {p['flops_analytic']}"
     return text
@@ -851,6 +875,7 @@ def summarize(points: list[dict], args) -> list[dict]:
       ratio VECA/DINOv3 vs FLOP ratio;
     - VECA's latency per token (latency / (B (N + C))) at the largest resolution over that at 512 px: 1 means
       linear scaling in tokens;
+    - each latency ratio also paired: the median over the interleaved rounds of the ratio within one round;
     - VECA's (and DINOv3's) achieved fraction of the GEMM throughput at the largest resolution.
     """
     budget = max(args.budgets)
@@ -873,6 +898,7 @@ def summarize(points: list[dict], args) -> list[dict]:
                 dense = _find(points, mode, batch, resolution, DINOV3)
                 entry["ratios"][str(resolution)] = {
                     "latency_ratio": veca.get("latency_ratio_vs_dinov3") if veca else None,
+                    "paired_latency_ratio": veca.get("paired_latency_ratio_vs_dinov3") if veca else None,
                     "flop_ratio": veca.get("flop_ratio_vs_dinov3") if veca else None,
                 }
             veca_large = _find(points, mode, batch, largest, VECA, budget)
@@ -885,8 +911,16 @@ def summarize(points: list[dict], args) -> list[dict]:
                     return a["latency_per_token_us"] / b["latency_per_token_us"]
                 return None
 
+            def paired_per_token_ratio(a, b):
+                if a is b or not (a and b and a.get("latency_ms") and b.get("latency_ms")):
+                    return None
+                ratio = _paired_median(a["latency_ms"]["samples"], b["latency_ms"]["samples"])
+                return None if ratio is None else ratio * b["num_tokens"] / a["num_tokens"]
+
             entry["veca_per_token_latency_ratio"] = per_token_ratio(veca_large, veca_ref)
             entry["dinov3_per_token_latency_ratio"] = per_token_ratio(dense_large, dense_ref)
+            entry["veca_paired_per_token_latency_ratio"] = paired_per_token_ratio(veca_large, veca_ref)
+            entry["dinov3_paired_per_token_latency_ratio"] = paired_per_token_ratio(dense_large, dense_ref)
             entry["veca_gemm_fraction_at_largest"] = veca_large.get("gemm_fraction") if veca_large else None
             entry["dinov3_gemm_fraction_at_largest"] = dense_large.get("gemm_fraction") if dense_large else None
             summaries.append(entry)
@@ -905,12 +939,13 @@ def summary_lines(summaries: list[dict]) -> list[str]:
         for resolution, r in s["ratios"].items():
             lines.append(
                 f"  - {resolution} px: VECA/DINOv3 latency ratio {_fmt(r['latency_ratio'])} "
-                f"vs FLOP ratio {_fmt(r['flop_ratio'])}"
+                f"(paired {_fmt(r.get('paired_latency_ratio'))}) vs FLOP ratio {_fmt(r['flop_ratio'])}"
             )
         lines.append(
             f"  - latency per token (latency / (B (N + C))), {big} px over {ref} px: VECA "
-            f"{_fmt(s['veca_per_token_latency_ratio'])} (1 = linear in tokens), DINOv3 "
-            f"{_fmt(s['dinov3_per_token_latency_ratio'])}"
+            f"{_fmt(s['veca_per_token_latency_ratio'])} (paired {_fmt(s.get('veca_paired_per_token_latency_ratio'))};"
+            f" 1 = linear in tokens), DINOv3 {_fmt(s['dinov3_per_token_latency_ratio'])} "
+            f"(paired {_fmt(s.get('dinov3_paired_per_token_latency_ratio'))})"
         )
         fraction = s["veca_gemm_fraction_at_largest"]
         dense = s["dinov3_gemm_fraction_at_largest"]
@@ -919,6 +954,11 @@ def summary_lines(summaries: list[dict]) -> list[str]:
             f"DINOv3 {_fmt(dense and 100 * dense, '.1f')}%"
         )
     return lines
+
+
+def _ratio_cell(p: dict) -> str:
+    paired = p.get("paired_latency_ratio_vs_dinov3")
+    return _fmt(p["latency_ratio_vs_dinov3"]) + ("" if paired is None else f" ({paired:.3f})")
 
 
 def markdown(result: dict) -> str:
@@ -936,10 +976,12 @@ def markdown(result: dict) -> str:
         f"{machine.get('transparent_hugepage')}",
         f"- models: VECA {result['models']['veca']}; DINOv3 {result['models']['dinov3']}",
         f"- GEMM reference: `torch.mm` {gemm['size']}x{gemm['size']} {args['dtype']}, timed in every interleaved "
-        f"round (column `GEMM GFLOP/s`: the median of each point's rounds); alone at the start "
+        f"round (column `GEMM GFLOP/s`: the median of the rounds); alone at the start "
         f"{gemm['start_median_gflops_per_s']:.1f} and the end {gemm['end_median_gflops_per_s']:.1f} GFLOP/s",
-        f"- timing: {args['warmup']} warm-up + {args['repeats']} timed calls per model, interleaved (DINOv3 then "
-        "each budget, per repeat); latency = median [min-max]",
+        f"- timing: {args['warmup']} warm-up + {args['repeats']} timed calls per model and resolution, in "
+        f"{args['repeats']} interleaved rounds (the GEMM, then per resolution DINOv3 and each budget); latency = "
+        "median [min-max]; ratio = ratio of the medians, and in brackets the paired ratio: the median over the "
+        "rounds of the ratio within each round",
         "- GFLOPs: analytic (`veca_hf.flops`) and counted (`torch.utils.flop_counter` on meta, SDPA as MATH); "
         "% GEMM = analytic FLOPs / median latency / the point's GEMM reference",
         "- attention share: time inside the attention modules / whole forward, and in brackets the attention "
@@ -951,7 +993,7 @@ def markdown(result: dict) -> str:
     header = (
         "| res | N | model | C | GFLOPs analytic | GFLOPs counted | latency ms median [min-max] | img/s | "
         "GEMM GFLOP/s | % GEMM | attention share (kernel) | fwd peak MB | page faults / call | "
-        "latency ratio vs DINOv3 | FLOP ratio vs DINOv3 |"
+        "latency ratio vs DINOv3 (paired) | FLOP ratio vs DINOv3 |"
     )
     points = result["points"]
     for mode in sorted({p["mode"] for p in points}, key=["model", "block"].index):
@@ -975,7 +1017,7 @@ def markdown(result: dict) -> str:
                     f"{_fmt(p.get('gemm_fraction') and 100 * p['gemm_fraction'], '.1f')} | {share} | "
                     f"{_fmt(p.get('forward_peak_mb'), '.1f')} | "
                     f"{_fmt(p.get('minor_page_faults_per_call'), '.0f')} | "
-                    f"{_fmt(p['latency_ratio_vs_dinov3']) if p['model'] == VECA else '-'} | "
+                    f"{_ratio_cell(p) if p['model'] == VECA else '-'} | "
                     f"{_fmt(p['flop_ratio_vs_dinov3']) if p['model'] == VECA else '-'} |"
                 )
             out.append("")

@@ -3,6 +3,7 @@ point's FLOPs counted by `torch.utils.flop_counter` equal the analytic ones. No 
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "scaling.py"
 RESOLUTIONS = (64, 96)
 BUDGETS = (8, 16)
+REPEATS = 2
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def tiny_run(tmp_path_factory):
         "--budgets", ",".join(map(str, BUDGETS)),
         "--batch_sizes", "1",
         "--warmup", "0",
-        "--repeats", "1",
+        "--repeats", str(REPEATS),
         "--profile_repeats", "1",
         "--threads", "1",
         "--gemm_size", "128",
@@ -66,7 +68,7 @@ def test_every_point_counted_equals_analytic(tiny_run):
         assert point["flops_counted"] == point["flops_analytic"] > 0, point
         assert point["flops_match"] is True
         latency = point["latency_ms"]
-        assert latency["min"] <= latency["median"] <= latency["max"] and len(latency["samples"]) == 1
+        assert latency["min"] <= latency["median"] <= latency["max"] and len(latency["samples"]) == REPEATS
         assert point["images_per_s"] > 0 and point["gemm_fraction"] > 0
         # each point is compared with the GEMM timed in its own interleaved rounds
         achieved = point["flops_analytic"] / (point["latency_ms"]["median"] / 1e3) / 1e9
@@ -79,6 +81,34 @@ def test_every_point_counted_equals_analytic(tiny_run):
             assert point["latency_ratio_vs_dinov3"] > 0 and point["flop_ratio_vs_dinov3"] > 0
         else:
             assert point["num_tokens"] == point["num_patches"] + 5 and point["budget"] is None
+    # every resolution of a mode runs in the same interleaved rounds, so they share one GEMM reference
+    for mode in ("model", "block"):
+        assert len({p["gemm_reference_gflops_per_s"] for p in points if p["mode"] == mode}) == 1
+
+
+def _paired(numerators, denominators):
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
+def test_paired_ratios_are_medians_of_per_round_ratios(tiny_run):
+    output_dir, _ = tiny_run
+    result = json.loads((output_dir / "results.json").read_text())
+    points = {(p["mode"], p["resolution"], p["label"]): p for p in result["points"]}
+    label = f"VECA C={max(BUDGETS)}"
+    for (mode, resolution, name), point in points.items():
+        dense = points[(mode, resolution, "DINOv3")]
+        expected = _paired(point["latency_ms"]["samples"], dense["latency_ms"]["samples"])
+        assert point["paired_latency_ratio_vs_dinov3"] == pytest.approx(expected, rel=1e-9)
+    for entry in result["summary"]:
+        mode, small, large = entry["mode"], entry["reference_resolution"], entry["largest_resolution"]
+        assert entry["ratios"][str(large)]["paired_latency_ratio"] == points[(mode, large, label)][
+            "paired_latency_ratio_vs_dinov3"
+        ]
+        for model, key in ((label, "veca"), ("DINOv3", "dinov3")):
+            big, ref = points[(mode, large, model)], points[(mode, small, model)]
+            per_round = _paired(big["latency_ms"]["samples"], ref["latency_ms"]["samples"])
+            expected = per_round * ref["num_tokens"] / big["num_tokens"]
+            assert entry[f"{key}_paired_per_token_latency_ratio"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_json_metadata_and_summary(tiny_run):
