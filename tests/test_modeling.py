@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from veca_hf import VECA_PRESETS, VecaConfig, VecaModel
-from veca_hf.modeling_veca import farthest_point_core_coordinates
+from veca_hf import modeling_veca
+from veca_hf.modeling_veca import farthest_point_core_coordinates, linear_into_workspace
 
 
 def make_model(**overrides) -> VecaModel:
@@ -369,3 +370,66 @@ def test_inference_mlp_equals_the_autograd_mlp(hidden_act):
     assert expected.requires_grad
     with torch.no_grad():
         torch.testing.assert_close(mlp(hidden_states), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_linear_into_workspace_reuses_one_buffer_and_equals_the_linear(monkeypatch):
+    linear = torch.nn.Linear(8, 12)
+    first, second = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    workspace = {}
+    with torch.no_grad():
+        # outputs glibc would not map fresh keep the plain call
+        linear_into_workspace(linear, first, workspace, "proj")
+        assert workspace == {}
+        monkeypatch.setattr(modeling_veca, "FRESH_MMAP_BYTES", 0)
+        out_first = linear_into_workspace(linear, first, workspace, "proj")
+        torch.testing.assert_close(out_first, linear(first), rtol=0, atol=0)
+        out_second = linear_into_workspace(linear, second, workspace, "proj")
+        assert out_second.data_ptr() == out_first.data_ptr() and workspace["proj"] is out_second
+        torch.testing.assert_close(out_second, linear(second), rtol=0, atol=0)
+        # another shape gets a new buffer
+        other = linear_into_workspace(linear, torch.randn(3, 8), workspace, "proj")
+        assert other.shape == (3, 12) and workspace["proj"] is other
+    # with autograd the module runs as usual: a fresh output that carries gradients
+    out = linear_into_workspace(linear, first, workspace, "proj")
+    assert out.requires_grad and out.data_ptr() != other.data_ptr()
+
+
+def test_linear_into_workspace_keeps_hooks_and_subclasses(monkeypatch):
+    monkeypatch.setattr(modeling_veca, "FRESH_MMAP_BYTES", 0)
+    calls = []
+    hooked = torch.nn.Linear(8, 12)
+    hooked.register_forward_hook(lambda module, args, output: calls.append(output.shape))
+
+    class ScaledLinear(torch.nn.Linear):  # stands in for an adapter or a quantised layer
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    scaled = ScaledLinear(8, 12)
+    inputs = torch.randn(4, 8)
+    with torch.no_grad():
+        workspace = {}
+        linear_into_workspace(hooked, inputs, workspace, "a")
+        assert calls == [(4, 12)] and "a" not in workspace
+        out = linear_into_workspace(scaled, inputs, workspace, "b")
+        torch.testing.assert_close(out, 2 * torch.nn.functional.linear(inputs, scaled.weight, scaled.bias))
+        assert "b" not in workspace
+
+
+def test_inference_forward_shares_projection_buffers_across_blocks(monkeypatch, pixel_values):
+    """Without autograd on CPU every block writes its qkv and SwiGLU input projections into the same two buffers,
+    and the output equals the autograd forward's."""
+    model = make_model(num_hidden_layers=3).eval()
+    expected = model(pixel_values, num_core_tokens=16).last_hidden_state
+    buffers = {}
+
+    def spy(linear, hidden_states, workspace, name):
+        output = linear_into_workspace(linear, hidden_states, workspace, name)
+        buffers.setdefault(name, set()).add(output.data_ptr())
+        return output
+
+    monkeypatch.setattr(modeling_veca, "linear_into_workspace", spy)
+    monkeypatch.setattr(modeling_veca, "FRESH_MMAP_BYTES", 0)  # the tiny model's outputs are all small
+    with torch.no_grad():
+        output = model(pixel_values, num_core_tokens=16).last_hidden_state
+    assert {name: len(pointers) for name, pointers in buffers.items()} == {"qkv": 1, "gate_up": 1}
+    torch.testing.assert_close(output, expected.detach(), rtol=1e-5, atol=1e-6)

@@ -163,6 +163,38 @@ def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
     return rotated
 
 
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are mapped fresh on every call.
+FRESH_MMAP_BYTES = 32 * 2**20
+
+
+def linear_into_workspace(
+    linear: nn.Module, hidden_states: torch.Tensor, workspace: dict[str, torch.Tensor] | None, name: str
+) -> torch.Tensor:
+    """`linear(hidden_states)`, written into `workspace[name]`: allocated by the first block, reused by the others.
+
+    NOTE: glibc serves every CPU tensor above 32 MiB with a fresh mmap that the kernel maps in 4 KiB pages on first
+    touch. At 1024 px the fused qkv (38 MB) and SwiGLU input (68 MB) outputs of VECA-B cost ~200k such faults per
+    forward, ~6% of its time, which one buffer shared by the blocks avoids. Smaller outputs come from glibc's free
+    lists, which hand back recently freed (cache-warm) memory: a shared buffer was slower there (512 px). Only a
+    plain `nn.Linear` without hooks is bypassed: adapters (PEFT) and quantised layers keep their own forward.
+    Without autograd only (a reused buffer would overwrite what backward needs).
+    """
+    shape = (*hidden_states.shape[:-1], linear.out_features)
+    bypass = type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
+    large = math.prod(shape) * hidden_states.element_size() > FRESH_MMAP_BYTES
+    if workspace is None or not (bypass and large) or torch.is_grad_enabled():
+        return linear(hidden_states)
+    buffer = workspace.get(name)
+    if buffer is None or buffer.shape != shape or buffer.dtype != hidden_states.dtype:
+        buffer = workspace[name] = hidden_states.new_empty(shape)
+    inputs, outputs = hidden_states.reshape(-1, hidden_states.shape[-1]), buffer.view(-1, linear.out_features)
+    if linear.bias is None:
+        torch.mm(inputs, linear.weight.t(), out=outputs)
+    else:
+        torch.addmm(linear.bias, inputs, linear.weight.t(), out=outputs)
+    return buffer
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -209,11 +241,13 @@ class VecaCorePeripheryAttention(nn.Module):
         core_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         patch_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         output_attentions: bool = False,
+        workspace: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch_size, num_tokens, _ = hidden_states.shape  # (B, T, D)
         num_cores = core_position_embeddings[0].shape[-2]
 
-        qkv = self.qkv_proj(hidden_states).view(batch_size, num_tokens, 3, self.num_heads, self.head_dim)
+        qkv = linear_into_workspace(self.qkv_proj, hidden_states, workspace, "qkv")  # (B, T, 3 D)
+        qkv = qkv.view(batch_size, num_tokens, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, T, Hd)
 
         # RoPE on q and k at once: cores rotate by their own (per-image, per-layer) positions, patches by the grid.
@@ -292,10 +326,13 @@ class VecaSwiGLUMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.hidden_act = config.hidden_act
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (B, T, I) each
+    def forward(
+        self, hidden_states: torch.Tensor, workspace: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         if torch.is_grad_enabled():
+            gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (B, T, I) each
             return self.down_proj(self.act_fn(gate) * up)
+        gate, up = linear_into_workspace(self.gate_up_proj, hidden_states, workspace, "gate_up").chunk(2, dim=-1)
         # NOTE: without autograd, activate and gate inside the projection's output: no fresh (B, T, I) buffer, whose
         # first touch alone costs ~8k page faults per block at 1024 px on CPU.
         if self.hidden_act == "silu":
@@ -323,15 +360,16 @@ class VecaLayer(GradientCheckpointingLayer):
         patch_cos: torch.Tensor,
         patch_sin: torch.Tensor,
         output_attentions: bool = False,
+        workspace: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # NOTE: cos/sin travel as separate tensors: re-entrant checkpointing loses gradients through tuples.
         attn_output, attn_weights = self.attention(
-            self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), output_attentions
+            self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), output_attentions, workspace
         )
         # NOTE: residuals added into the fresh branch outputs (an addition needs no saved inputs for backward);
         # the incoming hidden_states are never modified, so returned hidden states stay intact.
         hidden_states = attn_output.add_(hidden_states)
-        hidden_states = self.mlp(self.norm2(hidden_states)).add_(hidden_states)
+        hidden_states = self.mlp(self.norm2(hidden_states), workspace).add_(hidden_states)
         return hidden_states, attn_weights
 
 
@@ -472,12 +510,27 @@ class VecaEncoder(nn.Module):
         num_cores = core_coordinates.shape[1]
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
+        # Without autograd on CPU the blocks share their largest projection outputs (see `linear_into_workspace`);
+        # autograd keeps them for backward, the CUDA caching allocator already reuses memory, and autocast and
+        # torch.compile handle the plain `nn.Linear` call better.
+        reuse_buffers = (
+            not torch.is_grad_enabled()
+            and hidden_states.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling()
+        )
+        workspace = {} if reuse_buffers else None
         for index, layer in enumerate(self.layer):
             if index > 0:
                 core_coordinates = self.core_coordinate_heads[index - 1](hidden_states[:, :num_cores], core_coordinates)
             core_cos, core_sin = rope_embeddings(torch.tanh(core_coordinates))  # (B or 1, C, Hd)
             hidden_states, attn_weights = layer(
-                hidden_states, core_cos, core_sin, *patch_position_embeddings, output_attentions=output_attentions
+                hidden_states,
+                core_cos,
+                core_sin,
+                *patch_position_embeddings,
+                output_attentions=output_attentions,
+                workspace=workspace,
             )
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
