@@ -35,9 +35,10 @@ calls of a round run back to back, so slow drift between rounds cancels). Per po
   profiled calls; with `--no_profile` it is `None` on CPU. `peak_memory_mb` adds the module's weights and the
   inputs (pixel values, or the block's hidden states).
 - minor page faults per timed call (CPU, from `getrusage`): how often the kernel mapped fresh memory. glibc serves
-  each tensor above 32 MiB with a fresh `mmap`, paid in 4 KiB faults on first touch (VECA-B at 1024 px: 0.2-0.4
-  million per forward). The machine record says whether `THP_MEM_ALLOC_ENABLE` (torch's opt-in to transparent huge
-  pages, read once before the first allocation) was set and the kernel's THP mode, so that runs with different
+  each tensor above 32 MiB with a fresh `mmap`, paid in 4 KiB faults on first touch (DINOv3-B at 1024 px: 0.1-0.5
+  million per forward; VECA-B 0.1-0.3 million before its blocks shared their largest projection buffers, 20-60k
+  since). The machine record says whether `THP_MEM_ALLOC_ENABLE` (torch's opt-in to transparent huge pages, read
+  once before the first allocation) was set and the kernel's THP mode, so that runs with different
   allocator settings can be told apart.
 
 dtype: `bf16` casts the models (weights and activations) to bfloat16, on CPU and GPU alike; no autocast. RoPE
