@@ -8,8 +8,7 @@ from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veca_hf import VECA_PRESETS, VecaConfig, VecaModel
-from veca_hf import modeling_veca
+from veca_hf import VECA_PRESETS, VecaConfig, VecaModel, modeling_veca
 from veca_hf.modeling_veca import farthest_point_core_coordinates, linear_into_workspace
 
 

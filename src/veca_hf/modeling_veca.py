@@ -326,9 +326,7 @@ class VecaSwiGLUMLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.hidden_act = config.hidden_act
 
-    def forward(
-        self, hidden_states: torch.Tensor, workspace: dict[str, torch.Tensor] | None = None
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, workspace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         if torch.is_grad_enabled():
             gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (B, T, I) each
             return self.down_proj(self.act_fn(gate) * up)
@@ -511,13 +509,14 @@ class VecaEncoder(nn.Module):
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         # Without autograd on CPU the blocks share their largest projection outputs (see `linear_into_workspace`);
-        # autograd keeps them for backward, the CUDA caching allocator already reuses memory, and autocast and
-        # torch.compile handle the plain `nn.Linear` call better.
+        # autograd keeps them for backward, the CUDA caching allocator already reuses memory, and autocast,
+        # torch.compile and torch.export handle the plain `nn.Linear` call better.
         reuse_buffers = (
             not torch.is_grad_enabled()
             and hidden_states.device.type == "cpu"
             and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling()
+            and not torch.compiler.is_exporting()
         )
         workspace = {} if reuse_buffers else None
         for index, layer in enumerate(self.layer):
