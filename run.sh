@@ -11,13 +11,13 @@ STAMP="$VENV/.veca-installed"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-# Reinstall only when the dependency list changed.
-WANT="$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)"
+# Reinstall only when the dependency list (or this install recipe) changed.
+WANT="$(cat setup.cfg pyproject.toml run.sh | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # NOTE: pin torch explicitly first so no dependency range pulls a newer (multi-GB) build.
     "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-    "$VENV/bin/python" -m pip install -q -e ".[train,dev]"
+    "$VENV/bin/python" -m pip install -q -e ".[train,dev,deepspeed,demo]"
     echo "$WANT" > "$STAMP"
 fi
 
@@ -31,7 +31,7 @@ case "$job" in
         ;;
     main)
         # Real photos from the scikit-image / scikit-learn wheels, then a small distillation on 2 CPU cores.
-        "$VENV/bin/python" -m veca_hf.offline_assets photos outputs/demo/photos
+        "$VENV/bin/python" -m veca_hf.demo photos outputs/demo/photos
         exec "$VENV/bin/python" examples/distill.py examples/configs/demo_cpu.yaml "$@"
         ;;
     *)

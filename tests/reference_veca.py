@@ -1,7 +1,7 @@
 """Independent, deliberately plain re-implementation of VECA used as ground truth.
 
-Written from the project spec (``/work/shared/spec/VECA.md``, sections 1 and 8)
-alone.  It must not import anything from ``veca_hf``: its purpose is to
+Written from the paper (arXiv 2605.12491: the forward pass) and the reference
+checkpoint format (docs/conversion.md) alone.  It must not import anything from ``veca_hf``: its purpose is to
 cross-check that package.  Speed is irrelevant here; every step is spelled out
 in the most direct form (dense attention with a block mask, explicit
 interleaved-pair RoPE, explicit SwiGLU split).
@@ -9,8 +9,8 @@ interleaved-pair RoPE, explicit SwiGLU split).
 Eval-mode semantics only: patch-coordinate augmentation (train mode) is not
 implemented.
 
-``state_dict()`` keys are exactly the reference checkpoint keys of spec
-section 8 (without the ``module.`` / ``student.`` prefixes).
+``state_dict()`` keys are exactly the reference checkpoint keys described in
+docs/conversion.md (without the ``module.`` / ``student.`` prefixes).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from veca_hf import (
     VecaConfig,
     VecaForImageClassification,
     VecaImageProcessor,
+    VecaImageProcessorPil,
     VecaModel,
 )
 
@@ -145,9 +146,9 @@ def test_auto_classes_load_saved_folder(tmp_path, pixel_values):
         assert torch.equal(got_base.pooler_output, expected_base.pooler_output)
 
     processor = AutoImageProcessor.from_pretrained(tmp_path, backend="pil")
+    assert type(processor) is VecaImageProcessorPil
+    processor = AutoImageProcessor.from_pretrained(tmp_path)  # torchvision installed: the torchvision backend
     assert type(processor) is VecaImageProcessor
-    if veca_hf.VecaImageProcessorFast is not None:  # torchvision installed: the default is the fast processor
-        assert type(AutoImageProcessor.from_pretrained(tmp_path)) is veca_hf.VecaImageProcessorFast
     image = random_pil_images(1)[0]
     assert torch.equal(
         processor(image, return_tensors="pt")["pixel_values"], VecaImageProcessor()(image, return_tensors="pt")["pixel_values"]
@@ -198,7 +199,8 @@ def test_backbone_feature_maps(pixel_values):
             torch.testing.assert_close(feature_map, expected, rtol=0, atol=0)
     assert torch.equal(outputs.feature_maps[-1], patch_grid(reference.last_hidden_state, num_cores, height, width))
 
-    # no reshape: (B, N, D); no layernorm: the raw stage output (the last stage is always normed)
+    # no reshape: (B, 1 + N, D), core 1 then the patches; no layernorm: the raw stage output (the last stage is
+    # always normed). tests/test_dense_heads.py covers this layout with the heads that read it.
     flat = VecaBackbone(tiny_config(out_features=["stage1", "stage2"], reshape_hidden_states=False, apply_layernorm=False))
     flat.load_state_dict(backbone.state_dict())
     flat.eval()
@@ -206,9 +208,11 @@ def test_backbone_feature_maps(pixel_values):
         flat_outputs = flat(pixel_values, num_core_tokens=8)
         flat_reference = flat.veca(pixel_values, num_core_tokens=8, output_hidden_states=True)
     num_patches = (height // 16) * (width // 16)
-    assert [tuple(f.shape) for f in flat_outputs.feature_maps] == [(batch_size, num_patches, config.hidden_size)] * 2
-    assert torch.equal(flat_outputs.feature_maps[0], flat_reference.hidden_states[1][:, 8:])
-    assert torch.equal(flat_outputs.feature_maps[1], flat_reference.last_hidden_state[:, 8:])
+    sequence_shape = (batch_size, 1 + num_patches, config.hidden_size)
+    assert [tuple(f.shape) for f in flat_outputs.feature_maps] == [sequence_shape] * 2
+    stage_tokens = (flat_reference.hidden_states[1], flat_reference.last_hidden_state)
+    for feature_map, tokens in zip(flat_outputs.feature_maps, stage_tokens):
+        assert torch.equal(feature_map, torch.cat([tokens[:, :1], tokens[:, 8:]], dim=1))
 
 
 def test_auto_backbone_from_config():
@@ -239,7 +243,7 @@ def test_auto_backbone_from_pretrained_local_folder(tmp_path, pixel_values):
     In transformers 5.24, `AutoBackbone.from_pretrained` first asks the Hub API whether the argument is a repo id
     (`hf_api().repo_exists(...)`, to decide between a transformers and a timm backbone); for a local folder path that
     raises `huggingface_hub.errors.HFValidationError` ("Repo id must be in the form 'repo_name' or
-    'namespace/repo_name'") before the folder is ever read (DINOv3 behaves the same; see FACTS.md).
+    'namespace/repo_name'") before the folder is ever read (DINOv3 behaves the same; see docs/usage.md).
     Workaround: load through the backbone class, either `VecaBackbone.from_pretrained(folder)` or, without naming the
     class, `type(AutoBackbone.from_config(AutoConfig.from_pretrained(folder))).from_pretrained(folder)`.
     The test records what happens now, and checks the workaround either way.
@@ -293,6 +297,7 @@ REMOTE_SCRIPT = textwrap.dedent(
     model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
     classifier = AutoModelForImageClassification.from_pretrained(folder, trust_remote_code=True).eval()
     processor = AutoImageProcessor.from_pretrained(folder, trust_remote_code=True)
+    pil_processor = AutoImageProcessor.from_pretrained(folder, trust_remote_code=True, backend="pil")
 
     images = [Image.open(path).convert("RGB") for path in image_paths]
     pixel_values = processor(images, return_tensors="pt")["pixel_values"]
@@ -303,6 +308,7 @@ REMOTE_SCRIPT = textwrap.dedent(
     save_file(
         {
             "pixel_values": pixel_values.contiguous(),
+            "pil_pixel_values": pil_processor(images, return_tensors="pt")["pixel_values"].contiguous(),
             "last_hidden_state": outputs.last_hidden_state.contiguous(),
             "pooler_output": outputs.pooler_output.contiguous(),
             "last_hidden_state_8": budget8.last_hidden_state.contiguous(),
@@ -318,6 +324,7 @@ REMOTE_SCRIPT = textwrap.dedent(
         "model": [type(model).__module__, type(model).__name__],
         "classifier": [type(classifier).__module__, type(classifier).__name__],
         "processor": [type(processor).__module__, type(processor).__name__],
+        "pil_processor": [type(pil_processor).__module__, type(pil_processor).__name__],
         "id2label": {str(k): v for k, v in classifier.config.id2label.items()},
     }))
     """
@@ -330,14 +337,19 @@ def test_trust_remote_code_without_package(tmp_path):
     save_with_processor(model, folder)
 
     files = set(os.listdir(folder))
-    assert {"modeling_veca.py", "configuration_veca.py", "image_processing_veca.py"} <= files
+    code = {"modeling_veca.py", "positions_veca.py", "configuration_veca.py", "image_processing_veca.py",
+            "image_processing_pil_veca.py"}  # fmt: skip
+    assert code <= files
     assert {"config.json", "preprocessor_config.json", "model.safetensors"} <= files
     config_json = json.loads((folder / "config.json").read_text())
     assert set(config_json["auto_map"]) >= AUTO_MAP_MODEL_KEYS
     assert config_json["auto_map"]["AutoModel"] == "modeling_veca.VecaModel"
     assert config_json["auto_map"]["AutoBackbone"] == "modeling_veca.VecaBackbone"
     processor_json = json.loads((folder / "preprocessor_config.json").read_text())
-    assert processor_json["auto_map"]["AutoImageProcessor"] == "image_processing_veca.VecaImageProcessor"
+    assert processor_json["auto_map"]["AutoImageProcessor"] == {  # both backends, each file in the folder
+        "torchvision": "image_processing_veca.VecaImageProcessor",
+        "pil": "image_processing_pil_veca.VecaImageProcessorPil",
+    }
 
     images = random_pil_images(2, size=(96, 80), seed=1)
     image_paths = []
@@ -368,6 +380,7 @@ def test_trust_remote_code_without_package(tmp_path):
         ("model", "VecaModel"),
         ("classifier", "VecaForImageClassification"),
         ("processor", "VecaImageProcessor"),
+        ("pil_processor", "VecaImageProcessorPil"),
     ]:
         module, class_name = report[key]
         assert class_name == name
@@ -377,6 +390,8 @@ def test_trust_remote_code_without_package(tmp_path):
     remote = load_file(out_path)
     pixel_values = VecaImageProcessor()(images, return_tensors="pt")["pixel_values"]
     torch.testing.assert_close(remote["pixel_values"], pixel_values, rtol=0, atol=1e-6)
+    pil_pixel_values = VecaImageProcessorPil()(images, return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(remote["pil_pixel_values"], pil_pixel_values, rtol=0, atol=1e-6)
     with torch.no_grad():
         expected = model.veca(remote["pixel_values"])
         expected8 = model.veca(remote["pixel_values"], num_core_tokens=8)

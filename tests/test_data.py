@@ -15,8 +15,11 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFilter
+from torchvision.transforms import v2
+from transformers import ViTImageProcessorPil
 
+import veca_hf.data
 from veca_hf.data import (
     ImageStream,
     build_transform,
@@ -25,12 +28,16 @@ from veca_hf.data import (
     detect_image_column,
     load_image_dataset,
     resize_batch,
+    resume_plan,
 )
+from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
+from veca_hf.image_processing_veca import VecaImageProcessor
 
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 RESOLUTION = 32
+PIL_VS_TORCHVISION_ATOL = 0.04  # 2 uint8 levels on smooth content, see image_processing_veca.py
 LEVELS = [20 + 15 * i for i in range(14)]  # one grey level per good example: 20, 35, ..., 215
 
 
@@ -284,6 +291,72 @@ def test_eval_transform_is_resize_then_center_crop():
     assert torch.allclose(mid_grey, ((0.5 - MEAN) / STD).expand_as(mid_grey), atol=0.02)
 
 
+def _natural_photo(height: int, width: int, seed: int) -> Image.Image:
+    """Blurred noise: smooth content, on which PIL and torchvision resizing agree to 2 uint8 levels."""
+    noise = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(noise).filter(ImageFilter.GaussianBlur(2))
+
+
+@pytest.mark.parametrize("size", [(60, 90), (97, 131), (300, 400), (131, 97), (40, 40)])
+def test_eval_transform_equals_the_processor(size):
+    photo = _natural_photo(*size, seed=sum(size))
+    pil_processor = VecaImageProcessorPil.for_resolution(RESOLUTION)
+    expected = pil_processor(photo, return_tensors="pt")["pixel_values"][0]
+    output = build_transform(pil_processor, train=False)(photo)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)  # both resize with PIL: float rounding only
+    torch.testing.assert_close(build_transform(RESOLUTION, train=False)(photo), output, atol=0, rtol=0)
+    torchvision_processor = VecaImageProcessor.for_resolution(RESOLUTION)
+    torch.testing.assert_close(build_transform(torchvision_processor, train=False)(photo), output, atol=0, rtol=0)
+    tv = torchvision_processor(photo, return_tensors="pt")["pixel_values"][0]
+    assert (tv - output).abs().max() <= PIL_VS_TORCHVISION_ATOL  # the documented PIL / torchvision tolerance
+
+
+def test_eval_transform_follows_every_processor_setting():
+    photo = _natural_photo(70, 50, seed=3)
+    custom = VecaImageProcessorPil(
+        size={"shortest_edge": 40}, crop_size={"height": 32, "width": 24}, resample=2, image_mean=[0.5, 0.4, 0.3],
+        image_std=[0.2, 0.3, 0.4],
+    )  # fmt: skip
+    expected = custom(photo, return_tensors="pt")["pixel_values"][0]
+    torch.testing.assert_close(build_transform(custom, train=False)(photo), expected, atol=1e-5, rtol=0)
+    # Another model's processor: ViT resizes to a fixed height x width with bilinear filtering, no crop.
+    vit = ViTImageProcessorPil(size={"height": 48, "width": 40})
+    expected = vit(photo, return_tensors="pt")["pixel_values"][0]
+    torch.testing.assert_close(build_transform(vit, train=False)(photo), expected, atol=1e-5, rtol=0)
+
+
+def test_train_transforms_take_the_processor_settings():
+    custom = VecaImageProcessorPil.for_resolution(48, resample=2, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.4])
+    distillation = build_transform(custom, train=True).transforms
+    assert [type(t).__name__ for t in distillation] == [
+        "Resize", "RandomCrop", "RandomHorizontalFlip", "TrivialAugmentWide", "ToImage", "ToDtype", "Normalize",
+        "ToPureTensor",
+    ]  # fmt: skip
+    resize, crop, normalize = distillation[0], distillation[1], distillation[6]
+    assert resize.size == [54] and resize.interpolation == v2.InterpolationMode.BILINEAR and resize.antialias
+    assert tuple(crop.size) == (48, 48)
+    assert normalize.mean == [0.5, 0.4, 0.3] and normalize.std == [0.2, 0.3, 0.4]
+    finetune = build_transform(custom, train=True, recipe="finetune").transforms
+    assert [type(t).__name__ for t in finetune[:2]] == ["RandomResizedCrop", "RandomHorizontalFlip"]
+    assert tuple(finetune[0].size) == (48, 48) and finetune[0].interpolation == v2.InterpolationMode.BILINEAR
+    assert finetune[-2].mean == [0.5, 0.4, 0.3]
+    photo = _natural_photo(70, 50, seed=4)
+    for train_transform in (build_transform(custom, train=True), build_transform(custom, True, recipe="finetune")):
+        assert train_transform(photo).shape == (3, 48, 48)
+    with pytest.raises(ValueError, match="recipe"):
+        build_transform(custom, train=True, recipe="mixup")
+
+
+def test_resolution_is_short_for_the_processor_at_that_crop():
+    photo = _natural_photo(50, 70, seed=5)
+    from_processor = build_transform(VecaImageProcessorPil.for_resolution(28), train=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        expected = from_processor(photo)
+        torch.manual_seed(0)
+        torch.testing.assert_close(build_transform(28, train=True)(photo), expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("resolution", [0, -16, 2.5, None])
 def test_bad_resolution(resolution):
     with pytest.raises(ValueError, match="resolution"):
@@ -329,7 +402,8 @@ def test_stream_reports_bad_images_and_keeps_going(image_folder):
 
 def test_collate_all_skipped():
     batch = collate_images([{"pixel_values": None, "skipped": "too_small"}] * 2)
-    assert batch == {"pixel_values": None, "num_skipped": 2, "skipped_reasons": Counter({"too_small": 2}), "sources": []}
+    assert batch == {"pixel_values": None, "num_skipped": 2, "skipped_reasons": Counter({"too_small": 2}), "sources": [],
+                     "worker": 0}
     good = collate_images(
         [{"pixel_values": torch.zeros(3, 4, 4), "source": "a.jpg"}, {"pixel_values": None, "skipped": "undecodable"}]
     )
@@ -417,6 +491,69 @@ def test_skipping_consumed_items_replays_the_rest_exactly(image_folder):
             assert a["pixel_values"] is None or torch.equal(a["pixel_values"], b["pixel_values"])
 
 
+def _same_batches(expected: list[dict], actual: list[dict]) -> None:
+    assert len(actual) == len(expected)
+    for a, b in zip(expected, actual):
+        assert a["sources"] == b["sources"] and a["num_skipped"] == b["num_skipped"] and a["worker"] == b["worker"]
+        assert (a["pixel_values"] is None and b["pixel_values"] is None) or torch.equal(a["pixel_values"], b["pixel_values"])
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-core machine
+@pytest.mark.parametrize(
+    "source, num_workers, batch_size",
+    [
+        ("image_folder", 0, 4),  # no workers
+        ("image_folder", 2, 2),  # one shard: round robin over examples; bad images inside batches
+        ("image_folder", 2, 1),  # the workers run out at different batches
+        ("parquet_folder", 3, 2),  # whole shards: worker 0 gets 2 shards, 1 and 2 one each (they run out first)
+    ],
+)
+def test_resume_skips_consumed_samples_and_continues_exactly(request, source, num_workers, batch_size):
+    """Interrupted after any number of batches, a fresh DataLoader with `resume_plan` yields the same remaining
+    batches, bit for bit, in the same order."""
+    dataset = _load(str(request.getfixturevalue(source)))
+
+    def batches(skip=None):
+        stream = _stream(dataset, seed=1)
+        stream.set_epoch(1)
+        stream.set_skip(skip)
+        return list(torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers,
+                                                collate_fn=collate_images))
+
+    full = batches()
+    assert len(full) >= 4
+    for consumed in range(1, len(full)):
+        worker_batches = [0] * max(1, num_workers)
+        for batch in full[:consumed]:
+            worker_batches[batch["worker"]] += 1
+        skip, discard = resume_plan(worker_batches, full[consumed - 1]["worker"], batch_size)
+        assert discard < max(1, num_workers)  # at most W-1 consumed batches are decoded again
+        _same_batches(full[consumed:], batches(skip)[discard:])
+
+
+def test_skipped_samples_are_not_decoded(image_folder, monkeypatch):
+    decoded = []
+    decode = veca_hf.data.decode_image
+    monkeypatch.setattr(veca_hf.data, "decode_image", lambda value, **kwargs: decoded.append(1) or decode(value, **kwargs))
+    stream = _stream(_load(str(image_folder)), seed=1)
+    stream.set_skip([10])
+    assert len(list(stream)) == 15 - 10 and len(decoded) == 15 - 10
+    stream.set_skip([1, 2])
+    with pytest.raises(ValueError, match="2 counts .* 1 DataLoader worker"):
+        list(stream)
+    with pytest.raises(ValueError, match="non-negative"):
+        stream.set_skip([-1])
+
+
+def test_resume_plan():
+    assert resume_plan([3], 0, 4) == ([12], 0)  # no workers: skip everything consumed
+    assert resume_plan([3, 3], 1, 2) == ([6, 6], 0)  # a complete cycle: worker 0 is next anyway
+    assert resume_plan([3, 2], 0, 2) == ([4, 4], 1)  # worker 1 is next: worker 0 replays one batch, discarded
+    assert resume_plan([2, 2, 1], 1, 5) == ([5, 5, 5], 2)
+    with pytest.raises(ValueError, match="last_worker"):
+        resume_plan([1, 1], 2, 4)
+
+
 def test_persistent_workers_follow_set_epoch(parquet_folder):
     dataset = _load(str(parquet_folder))
     stream = _stream(dataset, train=False)
@@ -447,3 +584,44 @@ def test_unshuffled_stream_keeps_the_stored_order_every_epoch(parquet_folder):
     assert _keys(stream) == list(range(12))
     stream.set_epoch(3)
     assert _keys(stream) == list(range(12))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Broken shards
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _copy_with_a_truncated_shard(source: Path, destination: Path, broken: str) -> Path:
+    destination.mkdir()
+    for file in sorted(source.iterdir()):
+        data = file.read_bytes()
+        (destination / file.name).write_bytes(data[: len(data) // 2] if file.name == broken else data)
+    return destination
+
+
+@pytest.mark.parametrize("pattern", [None, "*.parquet"])
+def test_truncated_parquet_shard_is_skipped_with_its_name(parquet_folder, tmp_path, pattern, caplog):
+    folder = _copy_with_a_truncated_shard(parquet_folder, tmp_path / "shards", "part-00001.parquet")
+    name = str(folder / pattern) if pattern else str(folder)
+    with caplog.at_level("WARNING"):
+        dataset = load_image_dataset(name)
+    assert "Skipping 1 broken shard(s)" in caplog.text and "part-00001.parquet" in caplog.text
+    assert sorted(_keys(_stream(dataset, train=False))) == [0, 1, 2, 6, 7, 8, 9, 10, 11]  # shard 1 held 3, 4, 5
+    with pytest.raises(ValueError, match=r"1 shard\(s\) of .* cannot be read: .*part-00001.parquet .*--broken_shards skip"):
+        load_image_dataset(name, broken_shards="error")
+
+
+def test_truncated_tar_shard_is_found(tar_folder, tmp_path):
+    folder = _copy_with_a_truncated_shard(tar_folder, tmp_path / "tars", "shard-00000.tar")
+    broken = veca_hf.data.find_broken_shards(sorted(str(p) for p in folder.iterdir()))
+    assert list(broken) == [str(folder / "shard-00000.tar")] and "cut" in broken[str(folder / "shard-00000.tar")]
+    assert sorted(_keys(_stream(load_image_dataset(str(folder)), train=False))) == [3, 4, 5]
+
+
+def test_a_shard_that_breaks_while_streaming_stops_with_a_clear_error(parquet_folder, tmp_path):
+    """A shard not checked when loading (a Hub dataset; or broken since): the stream says what failed, and where."""
+    folder = _copy_with_a_truncated_shard(parquet_folder, tmp_path / "shards", "part-00002.parquet")
+    files = sorted(str(p) for p in folder.iterdir())
+    dataset = datasets.load_dataset("parquet", data_files={"train": files}, split="train", streaming=True)
+    with pytest.raises(RuntimeError, match=r"Reading the data stream failed \(rank 0, epoch 0.*truncated or corrupt"):
+        list(_stream(dataset, train=False, shuffle_buffer_size=0))

@@ -1,4 +1,4 @@
-"""examples/distill.py end to end: single process, two processes, corrupt images, kill-and-resume."""
+"""examples/distill.py end to end: single process, two processes, corrupt images, kill-and-resume, SIGTERM."""
 
 import json
 import os
@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config, tiny_dinov3_config
+from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModel, DINOv3ViTModel
+from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel
 
-from veca_hf import VecaModel
+from veca_hf import VecaConfig, VecaModel
 
 
 ROOT = Path(__file__).parent.parent
@@ -71,12 +72,19 @@ def run_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_distill(args: list[str], launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_distill(
+    args: list[str], launcher: list[str] | None = None, timeout: int = 300, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     command = (launcher or [sys.executable]) + [str(SCRIPT)] + args
-    env = {**run_env(), "ACCELERATE_USE_CPU": "true"}
+    env = {**run_env(), "ACCELERATE_USE_CPU": "true", **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
+
+
+def first_log_line(result: subprocess.CompletedProcess) -> str:
+    return next(line for line in result.stderr.splitlines() if " __main__: " in line)
 
 
 def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tmp_path):
@@ -96,16 +104,25 @@ def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tm
     assert model(torch.randn(1, 3, 32, 32), num_core_tokens=8).last_hidden_state.shape == (1, 8 + 4, 64)
     sources = (output_dir / "sample_sources" / "rank0.txt").read_text().splitlines()
     assert len(sources) >= 6 * 4 - 1 and not any("corrupt" in line for line in sources)
+    # The folder is publishable: a model card whose metadata parses back, with the held-out loss per budget.
+    card = ModelCard.load(output_dir / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "image-feature-extraction"
+    assert "| 8 |" in card.text and "| 16 |" in card.text and str(workspace / "teacher") in card.text
 
 
-def test_two_processes_stream_disjoint_data_and_save_a_loadable_model(workspace, tmp_path):
+def test_two_processes_stream_disjoint_data_skip_a_non_finite_step_together_and_save(workspace, tmp_path):
+    """Also a fault: the teacher's output is NaN on rank 1 at step 1 (a test hook); both ranks skip that update."""
     output_dir = tmp_path / "ddp"
     # NOTE: `accelerate launch --cpu --num_processes 2` needs MPI (mpirun); the torchrun launcher behind
     # `--multi_gpu` plus ACCELERATE_USE_CPU=true gives 2 gloo processes on CPU.
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533"]
     # 2 ranks x 2 steps x 4 images = 16 <= the 20 training images: within one epoch nothing may repeat.
-    run_distill(distill_args(workspace, output_dir, max_train_steps=2, log_sample_sources="true"), launcher=launcher)
+    result = run_distill(distill_args(workspace, output_dir, max_train_steps=2, log_sample_sources="true"),
+                         launcher=launcher, env={"VECA_HF_TEST_NAN_TEACHER_STEPS": "1:1"})
+    assert "Step 1: non-finite loss or gradients (NaN or inf) on at least one process: step skipped" in result.stderr
+    assert json.loads((output_dir / "distill_results.json").read_text())["nonfinite_steps"] == 1
+    assert all(torch.isfinite(value).all() for value in load_file(output_dir / "model.safetensors").values())
     seen = [
         [line.split("\t")[1] for line in (output_dir / "sample_sources" / f"rank{rank}.txt").read_text().splitlines()]
         for rank in range(2)
@@ -119,30 +136,65 @@ def test_two_processes_stream_disjoint_data_and_save_a_loadable_model(workspace,
     assert isinstance(AutoModel.from_pretrained(output_dir), VecaModel)
 
 
-def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path):
-    steps = {"max_train_steps": 6, "checkpointing_steps": 2, "validation_steps": 100, "dataloader_num_workers": 2}
-    reference_dir, resumed_dir = tmp_path / "uninterrupted", tmp_path / "killed"
-    run_distill(distill_args(workspace, reference_dir, **steps))
+INTERRUPTED_RUN = {"max_train_steps": 8, "checkpointing_steps": 2, "validation_steps": 100, "dataloader_num_workers": 2}
 
-    # Start the same run, SIGKILL it once checkpoint-2 is complete, then resume from "latest".
-    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **steps)
-    process = subprocess.Popen(command, env=run_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (resumed_dir / "checkpoints" / "checkpoint-2").is_dir():
-        assert process.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (resumed_dir / "model.safetensors").exists()  # it really died before finishing
-    run_distill(distill_args(workspace, resumed_dir, resume_from_checkpoint="latest", **steps))
 
+@pytest.fixture(scope="module")
+def uninterrupted_run(workspace, tmp_path_factory) -> Path:
+    """The reference for the interrupted-and-resumed runs."""
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    run_distill(distill_args(workspace, output_dir, **INTERRUPTED_RUN))
+    return output_dir
+
+
+def assert_same_final_weights(reference_dir: Path, resumed_dir: Path) -> None:
     reference, resumed = load_file(reference_dir / "model.safetensors"), load_file(resumed_dir / "model.safetensors")
     assert reference.keys() == resumed.keys()
     for key in reference:
         assert torch.equal(reference[key], resumed[key]), key
-    assert json.loads((resumed_dir / "distill_results.json").read_text())["step"] == 6
+    assert json.loads((resumed_dir / "distill_results.json").read_text())["step"] == INTERRUPTED_RUN["max_train_steps"]
     assert not list((resumed_dir / "checkpoints").glob(".tmp-*"))
+
+
+def start_when_checkpoint_2_exists(command: list[str], output_dir: Path, **popen_kwargs) -> subprocess.Popen:
+    process = subprocess.Popen(command, env=run_env(), cwd=ROOT, **popen_kwargs)
+    deadline = time.time() + 240
+    while not (output_dir / "checkpoints" / "checkpoint-2").is_dir():
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    return process
+
+
+def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path, uninterrupted_run):
+    steps, resumed_dir = INTERRUPTED_RUN, tmp_path / "killed"
+
+    # Start the same run, SIGKILL it once checkpoint-2 is complete, then resume from "latest".
+    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **steps)
+    process = start_when_checkpoint_2_exists(command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (resumed_dir / "model.safetensors").exists()  # it really died before finishing
+    run_distill(distill_args(workspace, resumed_dir, resume_from_checkpoint="latest", **steps))
+    assert_same_final_weights(uninterrupted_run, resumed_dir)
+
+
+def test_sigterm_writes_a_checkpoint_exits_143_and_resumes_to_the_same_weights(workspace, tmp_path, uninterrupted_run):
+    """Preemption as SLURM does it: SIGTERM to the whole process group (the DataLoader workers too)."""
+    resumed_dir = tmp_path / "preempted"
+    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **INTERRUPTED_RUN)
+    process = start_when_checkpoint_2_exists(command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                             text=True, start_new_session=True)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 143, stderr[-6000:]
+    stopped_at = int(stderr.split("Stopped by SIGTERM after step ")[1].split(";")[0])
+    assert 2 <= stopped_at < INTERRUPTED_RUN["max_train_steps"], stderr[-3000:]
+    assert (resumed_dir / "checkpoints" / f"checkpoint-{stopped_at}" / "manifest.json").is_file()
+    assert not (resumed_dir / "model.safetensors").exists()  # stopped, not finished
+    assert "Traceback" not in stderr
+    run_distill(distill_args(workspace, resumed_dir, resume_from_checkpoint="latest", **INTERRUPTED_RUN))
+    assert_same_final_weights(uninterrupted_run, resumed_dir)
 
 
 def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
@@ -150,6 +202,14 @@ def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
     assert result.returncode != 0
     assert "--budgets entry=12 is not a valid budget" in result.stderr
+
+
+def test_hub_model_id_without_push_to_hub_is_refused_before_any_work(workspace, tmp_path):
+    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "hub", hub_model_id="me/veca")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
+    assert result.returncode != 0
+    assert "--hub_model_id given without --push_to_hub" in result.stderr
+    assert not (tmp_path / "hub").exists()
 
 
 def test_dense_student_sees_the_same_data_and_saves_a_dinov3_model(workspace, tmp_path):
@@ -172,3 +232,57 @@ def test_unknown_student_type_fails_with_a_clear_message(workspace, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
     assert result.returncode != 0
     assert "--student_type 'convnet' is not one of 'veca', 'dense'" in result.stderr
+
+
+def without(args: list[str], *flags: str) -> list[str]:
+    """`args` without the given flags and their values."""
+    pairs = list(zip(args[::2], args[1::2]))
+    return [item for flag, value in pairs if flag not in flags for item in (flag, value)]
+
+
+def test_launcher_mixed_precision_is_used_unless_the_flag_is_given(workspace, tmp_path):
+    """`accelerate launch --mixed_precision bf16` (or its config file) sets ACCELERATE_MIXED_PRECISION: it wins over
+    the script's default, and an explicit --mixed_precision wins over it; the first log line says which is used."""
+    common = dict(max_train_steps=1, checkpointing_steps=0, validation_steps=1)
+    result = run_distill(distill_args(workspace, tmp_path / "launcher", **common),
+                         env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert first_log_line(result).endswith("Mixed precision: bf16; 1 process(es) on cpu.")
+    result = run_distill(distill_args(workspace, tmp_path / "flag", mixed_precision="no", **common),
+                         env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert first_log_line(result).endswith("Mixed precision: no; 1 process(es) on cpu.")
+
+
+def test_default_budgets_cover_a_custom_core_bank(workspace, tmp_path):
+    """A student with 16 cores (not the presets' 64) trains with no budget flags: budgets 8 and 16."""
+    assert VecaConfig.from_pretrained(workspace / "student").num_core_tokens == 16
+    output_dir = tmp_path / "run"
+    args = without(distill_args(workspace, output_dir, max_train_steps=2, checkpointing_steps=0, validation_steps=2),
+                   "--budgets", "--budget_weights")
+    result = run_distill(args)
+    assert "budgets [8, 16]" in result.stderr
+    assert set(json.loads((output_dir / "distill_results.json").read_text())["validation"]) == {"8", "16"}
+
+
+def test_teacher_that_cannot_be_loaded_is_an_error_unless_the_fallback_is_asked_for(workspace, tmp_path):
+    args = distill_args(workspace, tmp_path / "run", teacher_name_or_path="veca-test/not-a-cached-teacher",
+                        teacher_fallback_dir=tmp_path / "fallback", max_train_steps=1, checkpointing_steps=0)
+    result = run_distill(args, check=False)
+    assert result.returncode != 0
+    assert "Cannot use teacher 'veca-test/not-a-cached-teacher'" in result.stderr
+    assert "offline mode" in result.stderr and "--allow_teacher_fallback" in result.stderr
+
+    # Opted in: the fallback folder (here a tiny DINOv2, patch 14, already extracted) is used, with a warning.
+    Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                             patch_size=14, image_size=56)).save_pretrained(tmp_path / "fallback")
+    (tmp_path / "fallback" / "preprocessor_config.json").write_text("{}")
+    result = run_distill(args + ["--allow_teacher_fallback", "true"])
+    assert "Falling back to the real DINOv2-S/14 teacher" in result.stderr
+    assert json.loads((tmp_path / "run" / "distill_results.json").read_text())["step"] == 1
+
+
+def test_held_out_split_taking_every_image_says_so(workspace, tmp_path):
+    result = run_distill(distill_args(workspace, tmp_path / "run", validation_size=100), check=False)
+    assert result.returncode != 0
+    assert "the held-out validation split (the first --validation_size 100 images) took every image" in result.stderr
+    assert "Lower --validation_size, or pass --validation_split" in result.stderr
+

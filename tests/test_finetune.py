@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from huggingface_hub import ModelCard
 from PIL import Image
 from torch import nn
 from transformers import AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainingArguments
 
-from veca_hf import VecaForImageClassification, VecaImageProcessor, VecaModel
+from veca_hf import VecaForImageClassification, VecaImageProcessor, VecaImageProcessorPil, VecaModel
 from veca_hf.distillation import BudgetSampler
 from veca_hf.metrics import available_metrics, load_metric
 from veca_hf.training import BudgetChoice, VecaTrainer, evaluate_budgets, pick_budget
@@ -157,9 +158,16 @@ def test_script_saves_a_model_with_label_maps(finetuned):
     assert model.config.id2label == {0: "blue", 1: "green", 2: "red"}
     assert model.config.label2id == {"blue": 0, "green": 1, "red": 2}
     assert model.config.default_num_core_tokens == 8  # --num_core_tokens becomes the saved default budget
-    assert isinstance(AutoImageProcessor.from_pretrained(finetuned, backend="pil"), VecaImageProcessor)
+    assert isinstance(AutoImageProcessor.from_pretrained(finetuned, backend="pil"), VecaImageProcessorPil)
+    assert isinstance(AutoImageProcessor.from_pretrained(finetuned), VecaImageProcessor)  # torchvision backend
     with torch.no_grad():
         assert model(torch.randn(1, 3, 64, 64)).logits.shape == (1, 3)
+
+
+def test_script_writes_a_model_card_with_accuracy_per_budget(finetuned):
+    card = ModelCard.load(finetuned / "README.md")
+    assert card.data.pipeline_tag == "image-classification" and card.data.library_name == "transformers"
+    assert "| 8 |" in card.text and "| 16 |" in card.text and "accuracy" in card.text
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""FLOP counts: the analytic formulas in `veca_hf.flops` against `torch.utils.flop_counter` and the spec's table.
+"""FLOP counts: the analytic formulas in `veca_hf.flops` against `torch.utils.flop_counter` and the paper's table.
 
 Attention blocks and the VECA-B whole model are counted on the meta device (shapes only, no compute, no memory);
 whole-model counts on tiny real models run on CPU. Everything is counted inside `sdpa_kernel(SDPBackend.MATH)`:
@@ -25,8 +25,8 @@ from veca_hf.modeling_veca import VecaCorePeripheryAttention
 RESOLUTIONS = (256, 384, 512, 768, 1024)
 SIZES = {"S": (384, 6), "B": (768, 12), "L": (1024, 16)}  # hidden size, heads
 
-# Spec section 7: one attention block, batch 1, C = 64, torch.utils.flop_counter GFLOPs.
-SPEC_BLOCK_GFLOPS = {
+# The paper's attention-block FLOP table (arXiv 2605.12491): batch 1, C = 64, torch.utils.flop_counter GFLOPs.
+PAPER_BLOCK_GFLOPS = {
     ("S", "VECA"): (0.434, 0.875, 1.491, 3.253, 5.719),
     ("S", "DINOv3"): (0.413, 1.204, 2.840, 10.913, 30.670),
     ("B", "VECA"): (1.623, 3.259, 5.549, 12.092, 21.253),
@@ -97,13 +97,13 @@ def test_veca_b_block_1024_counted_on_real_tensors():
 @pytest.mark.parametrize("model", ["VECA", "DINOv3"])
 def test_block_table_analytic(size, model):
     hidden_size, _ = SIZES[size]
-    for resolution, expected in zip(RESOLUTIONS, SPEC_BLOCK_GFLOPS[(size, model)]):
+    for resolution, expected in zip(RESOLUTIONS, PAPER_BLOCK_GFLOPS[(size, model)]):
         num_patches = (resolution // 16) ** 2
         if model == "VECA":
             flops = attention_block_flops(hidden_size, num_patches, num_cores=NUM_CORES)
         else:
             flops = attention_block_flops(hidden_size, num_patches, num_prefix_tokens=DINOV3_PREFIX_TOKENS)
-        # the spec rounds to 3 decimals; the formulas reproduce every entry to that rounding
+        # the paper rounds to 3 decimals; the formulas reproduce every entry to that rounding
         assert flops / 1e9 == pytest.approx(expected, rel=1e-2)
         assert abs(flops / 1e9 - expected) <= 5e-4 + 1e-9, (size, model, resolution, flops / 1e9, expected)
 
@@ -112,7 +112,7 @@ def test_block_table_analytic(size, model):
 def test_block_table_counted(size):
     hidden_size, _ = SIZES[size]
     for resolution, veca, dense in zip(
-        RESOLUTIONS, SPEC_BLOCK_GFLOPS[(size, "VECA")], SPEC_BLOCK_GFLOPS[(size, "DINOv3")]
+        RESOLUTIONS, PAPER_BLOCK_GFLOPS[(size, "VECA")], PAPER_BLOCK_GFLOPS[(size, "DINOv3")]
     ):
         num_patches = (resolution // 16) ** 2
         counted = count_veca_block(size, resolution)
@@ -124,9 +124,9 @@ def test_block_table_counted(size):
 
 
 def test_block_veca_cheaper_than_dense_at_high_resolution_only():
-    """Spec: at 256 px with C = 64 VECA's attention block costs slightly more than dense; from 384 px on, less."""
+    """The paper: at 256 px with C = 64 VECA's attention block costs slightly more than dense; from 384 px on, less."""
     for size in SIZES:
-        veca, dense = SPEC_BLOCK_GFLOPS[(size, "VECA")], SPEC_BLOCK_GFLOPS[(size, "DINOv3")]
+        veca, dense = PAPER_BLOCK_GFLOPS[(size, "VECA")], PAPER_BLOCK_GFLOPS[(size, "DINOv3")]
         assert veca[0] > dense[0]
         assert all(v < d for v, d in zip(veca[1:], dense[1:]))
 
@@ -174,7 +174,7 @@ def test_whole_model_veca_b_1024_on_meta():
         pixel_values = torch.empty(1, 3, 1024, 1024)
     analytic = veca_model_flops(config, 1024, 1024, 64)
     assert count_flops(model, pixel_values, num_core_tokens=64) == analytic
-    # patch conv + 12 blocks (attention block as in the spec table + SwiGLU) + 11 coordinate heads
+    # patch conv + 12 blocks (attention block as in the paper's table + SwiGLU) + 11 coordinate heads
     expected = 2 * 4096 * 768 * 768 + 12 * (21_252_538_368 + 6 * 4160 * 768 * 2048) + 11 * 4 * 64 * 768
     assert analytic == expected
 

@@ -1,8 +1,11 @@
-"""Tests for the VECA image processors (PIL backend and torchvision "fast" backend)."""
+"""Tests for the VECA image processors: `VecaImageProcessorPil` (PIL backend), `VecaImageProcessor` (torchvision
+backend), their shared settings, the saved folder's remote code, and the deprecated names."""
 
+import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,10 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
+from transformers import AutoImageProcessor
+
+import veca_hf
+from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
 from veca_hf.image_processing_veca import VecaImageProcessor
 
 
@@ -18,13 +25,13 @@ STD = np.array([0.229, 0.224, 0.225], dtype=np.float64)
 BLACK = -MEAN / STD  # normalized value of a 0 pixel
 WHITE = (1.0 - MEAN) / STD  # normalized value of a 255 pixel
 
-# Measured max |PIL - fast| on natural-like content is 2 uint8 levels = 2 / 255 / 0.224 ~= 0.035 (see the
-# docstring of image_processing_veca_fast.py); the mean difference stays below ~3e-4.
-PIL_VS_FAST_ATOL = 0.04
-PIL_VS_FAST_MEAN_TOL = 1e-3
+# Measured max |PIL - torchvision| on natural-like content is 2 uint8 levels = 2 / 255 / 0.224 ~= 0.035 (see the
+# docstring of image_processing_veca.py); the mean difference stays below ~3e-4.
+PIL_VS_TORCHVISION_ATOL = 0.04
+PIL_VS_TORCHVISION_MEAN_TOL = 1e-3
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "src"
-PIL_MODULE_PATH = SRC_DIR / "veca_hf" / "image_processing_veca.py"
+PIL_MODULE_PATH = SRC_DIR / "veca_hf" / "image_processing_pil_veca.py"
 
 
 def random_image(height=300, width=400, seed=0, mode="RGB"):
@@ -44,15 +51,13 @@ def pixel_values(processor, images, **kwargs):
 
 @pytest.fixture(scope="module")
 def processor():
-    return VecaImageProcessor()
+    return VecaImageProcessorPil()
 
 
 @pytest.fixture(scope="module")
-def fast_processor():
+def torchvision_processor():
     pytest.importorskip("torchvision")
-    from veca_hf.image_processing_veca_fast import VecaImageProcessorFast
-
-    return VecaImageProcessorFast()
+    return VecaImageProcessor()
 
 
 def test_defaults(processor):
@@ -172,14 +177,14 @@ def test_aspect_ratio_is_preserved(processor):
 def test_save_pretrained_round_trip(processor, tmp_path):
     processor.save_pretrained(tmp_path / "default")
     assert (tmp_path / "default" / "preprocessor_config.json").is_file()
-    reloaded = VecaImageProcessor.from_pretrained(tmp_path / "default")
+    reloaded = VecaImageProcessorPil.from_pretrained(tmp_path / "default")
     assert reloaded.to_dict() == processor.to_dict()
     assert reloaded.to_dict()["image_processor_type"] == "VecaImageProcessor"
     image = random_image(300, 400)
     torch.testing.assert_close(pixel_values(reloaded, image), pixel_values(processor, image), atol=0, rtol=0)
 
     # Non-default settings survive the round trip too.
-    custom = VecaImageProcessor(
+    custom = VecaImageProcessorPil(
         size={"shortest_edge": 352},
         crop_size={"height": 320, "width": 224},
         resample=2,
@@ -188,7 +193,7 @@ def test_save_pretrained_round_trip(processor, tmp_path):
         do_convert_rgb=False,
     )
     custom.save_pretrained(tmp_path / "custom")
-    reloaded = VecaImageProcessor.from_pretrained(tmp_path / "custom")
+    reloaded = VecaImageProcessorPil.from_pretrained(tmp_path / "custom")
     assert reloaded.to_dict() == custom.to_dict()
     assert reloaded.size == {"shortest_edge": 352}
     assert reloaded.crop_size == {"height": 320, "width": 224}
@@ -199,18 +204,18 @@ def test_save_pretrained_round_trip(processor, tmp_path):
 
 
 def test_integer_size_means_shortest_edge():
-    assert VecaImageProcessor(size=320).size == {"shortest_edge": 320}
+    assert VecaImageProcessorPil(size=320).size == {"shortest_edge": 320}
 
 
 def test_non_default_crop_size(processor):
     crop = {"height": 320, "width": 224}
     # 333 x 500 (W x H): resized to 288 x 432, which contains a 320 x 224 crop.
     image = random_image(500, 333)
-    assert pixel_values(VecaImageProcessor(crop_size=crop), image).shape == (1, 3, 320, 224)
+    assert pixel_values(VecaImageProcessorPil(crop_size=crop), image).shape == (1, 3, 320, 224)
     # As a call-time override, identical to the init-time setting.
     torch.testing.assert_close(
         pixel_values(processor, image, crop_size=crop),
-        pixel_values(VecaImageProcessor(crop_size=crop), image),
+        pixel_values(VecaImageProcessorPil(crop_size=crop), image),
         atol=0,
         rtol=0,
     )
@@ -222,14 +227,14 @@ def test_non_default_crop_size(processor):
 
 
 @pytest.mark.parametrize("height,width,seed", [(300, 400, 0), (500, 333, 1), (288, 288, 2), (150, 200, 3)])
-def test_pil_and_fast_agree(processor, fast_processor, height, width, seed):
+def test_pil_and_torchvision_agree(processor, torchvision_processor, height, width, seed):
     image = natural_like_image(height, width, seed)
     slow = pixel_values(processor, image)
-    fast = pixel_values(fast_processor, image)
-    assert fast.shape == slow.shape == (1, 3, 256, 256)
-    diff = (slow - fast).abs()
-    assert diff.max().item() <= PIL_VS_FAST_ATOL
-    assert diff.mean().item() <= PIL_VS_FAST_MEAN_TOL
+    tv = pixel_values(torchvision_processor, image)
+    assert tv.shape == slow.shape == (1, 3, 256, 256)
+    diff = (slow - tv).abs()
+    assert diff.max().item() <= PIL_VS_TORCHVISION_ATOL
+    assert diff.mean().item() <= PIL_VS_TORCHVISION_MEAN_TOL
 
 
 def _settings(image_processor):
@@ -237,24 +242,28 @@ def _settings(image_processor):
     return {k: v for k, v in image_processor.to_dict().items() if k not in ("image_processor_type", "auto_map")}
 
 
-def test_fast_same_defaults_and_config(processor, fast_processor, tmp_path):
-    assert _settings(processor) == _settings(fast_processor)
-    # The fast processor loads a config saved by the PIL one with the same settings.
+def test_torchvision_same_defaults_and_config(processor, torchvision_processor, tmp_path):
+    assert _settings(processor) == _settings(torchvision_processor)
+    # The torchvision processor loads a config saved by the PIL one with the same settings.
     processor.save_pretrained(tmp_path)
-    assert _settings(type(fast_processor).from_pretrained(tmp_path)) == _settings(processor)
+    assert _settings(type(torchvision_processor).from_pretrained(tmp_path)) == _settings(processor)
     # Modes and custom crops behave the same way.
     for mode in ("L", "RGBA", "CMYK"):
         image = natural_like_image(300, 400, 5).convert(mode)
-        assert (pixel_values(processor, image) - pixel_values(fast_processor, image)).abs().max() <= PIL_VS_FAST_ATOL
+        difference = pixel_values(processor, image) - pixel_values(torchvision_processor, image)
+        assert difference.abs().max() <= PIL_VS_TORCHVISION_ATOL
     crop = {"height": 320, "width": 224}
     image = natural_like_image(500, 333, 6)
     slow = pixel_values(processor, image, crop_size=crop)
-    fast = pixel_values(fast_processor, image, crop_size=crop)
-    assert slow.shape == fast.shape == (1, 3, 320, 224)
-    assert (slow - fast).abs().max() <= PIL_VS_FAST_ATOL
+    tv = pixel_values(torchvision_processor, image, crop_size=crop)
+    assert slow.shape == tv.shape == (1, 3, 320, 224)
+    assert (slow - tv).abs().max() <= PIL_VS_TORCHVISION_ATOL
 
 
-def test_pil_processor_works_without_torchvision(processor, tmp_path):
+def test_base_install_without_torchvision(processor, tmp_path):
+    """`pip install veca_hf` has no torchvision: the package imports, the PIL processor works (also as a lone file),
+    `AutoImageProcessor` picks it, and the torchvision processor says what is missing."""
+    processor.save_pretrained(tmp_path / "folder")
     script = textwrap.dedent(
         f"""
         import importlib.util
@@ -264,21 +273,126 @@ def test_pil_processor_works_without_torchvision(processor, tmp_path):
         import numpy as np
         from PIL import Image
 
-        spec = importlib.util.spec_from_file_location("image_processing_veca", {str(PIL_MODULE_PATH)!r})
+        spec = importlib.util.spec_from_file_location("image_processing_pil_veca", {str(PIL_MODULE_PATH)!r})
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        spec.loader.exec_module(module)  # the file alone, as a flat remote-code folder holds it
+
+        import veca_hf
+        from transformers import AutoImageProcessor
 
         rng = np.random.RandomState(0)
         image = Image.fromarray(rng.randint(0, 256, (300, 400, 3), dtype=np.uint8))
-        processor = module.VecaImageProcessor()
-        out = processor(image, return_tensors="np")["pixel_values"]
+        out = module.VecaImageProcessorPil()(image, return_tensors="np")["pixel_values"]
         assert out.shape == (1, 3, 256, 256), out.shape
+        auto = AutoImageProcessor.from_pretrained({str(tmp_path / "folder")!r})
+        assert type(auto) is veca_hf.VecaImageProcessorPil, type(auto)
+        assert np.array_equal(auto(image, return_tensors="np")["pixel_values"], out)
+        try:
+            veca_hf.VecaImageProcessor()
+        except ImportError as error:
+            assert "Torchvision" in str(error), error
+        else:
+            raise AssertionError("VecaImageProcessor() built without torchvision")
         assert sys.modules["torchvision"] is None
         np.save({str(tmp_path / "out.npy")!r}, out)
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     out = np.load(tmp_path / "out.npy")
     expected = processor(random_image(300, 400), return_tensors="np")["pixel_values"]
     np.testing.assert_array_equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One source of settings: `for_resolution`, and the saved folder's remote code
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("processor_class", [VecaImageProcessorPil, VecaImageProcessor])
+def test_for_resolution_uses_the_stored_ratio(processor_class):
+    if processor_class is VecaImageProcessor:
+        pytest.importorskip("torchvision")
+    default = processor_class()
+    assert processor_class.for_resolution(256).to_dict() == default.to_dict()  # 288 / 256 is the stored ratio
+    for resolution, short in [(224, 252), (32, 36), (512, 576), (28, 32), (14, 16)]:  # round(r * 1.125)
+        made = processor_class.for_resolution(resolution, image_mean=[0.5, 0.5, 0.5])
+        assert made.size == {"shortest_edge": short}
+        assert made.crop_size == {"height": resolution, "width": resolution}
+        assert tuple(made.image_mean) == (0.5, 0.5, 0.5) and int(made.resample) == int(default.resample)
+    for bad in (0, -16, 2.5, None, True):
+        with pytest.raises(ValueError, match="resolution"):
+            processor_class.for_resolution(bad)
+
+
+@pytest.mark.parametrize("processor_class", [VecaImageProcessorPil, VecaImageProcessor])
+def test_saved_folder_ships_both_processors(processor_class, tmp_path):
+    if processor_class is VecaImageProcessor:
+        pytest.importorskip("torchvision")
+    processor_class.for_resolution(224).save_pretrained(tmp_path)
+    assert {"image_processing_veca.py", "image_processing_pil_veca.py"} <= {p.name for p in tmp_path.iterdir()}
+    saved = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    assert saved["image_processor_type"] == "VecaImageProcessor"  # transformers drops the "Pil" of the PIL class
+    assert saved["auto_map"] == {
+        "AutoImageProcessor": {
+            "pil": "image_processing_pil_veca.VecaImageProcessorPil",
+            "torchvision": "image_processing_veca.VecaImageProcessor",
+        }
+    }
+    assert saved["size"] == {"shortest_edge": 252}
+    assert type(AutoImageProcessor.from_pretrained(tmp_path, backend="pil")) is VecaImageProcessorPil
+
+
+# Written by the processors before the backend renaming (PIL `VecaImageProcessor`, torchvision
+# `VecaImageProcessorFast`); the PIL one carried `auto_map` and its code (here left out: `import veca_hf` wins).
+OLD_PREPROCESSOR_CONFIG = {
+    "crop_size": {"height": 256, "width": 256},
+    "do_center_crop": True,
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_std": [0.229, 0.224, 0.225],
+    "resample": 3,
+    "rescale_factor": 0.00392156862745098,
+    "size": {"shortest_edge": 288},
+}
+
+
+@pytest.mark.parametrize(
+    "old_type, auto_map",
+    [
+        ("VecaImageProcessor", {"AutoImageProcessor": "image_processing_veca.VecaImageProcessor"}),
+        ("VecaImageProcessorFast", None),
+    ],
+)
+def test_folders_saved_before_the_renaming_still_load(tmp_path, processor, old_type, auto_map):
+    config = dict(OLD_PREPROCESSOR_CONFIG, image_processor_type=old_type)
+    if auto_map:
+        config["auto_map"] = auto_map
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
+    image = natural_like_image(300, 400, 7)
+    pil = AutoImageProcessor.from_pretrained(tmp_path, backend="pil")
+    assert type(pil) is VecaImageProcessorPil
+    torch.testing.assert_close(pixel_values(pil, image), pixel_values(processor, image), atol=0, rtol=0)
+    pytest.importorskip("torchvision")
+    default = AutoImageProcessor.from_pretrained(tmp_path)  # torchvision installed: the torchvision backend
+    assert type(default) is VecaImageProcessor
+    assert (pixel_values(default, image) - pixel_values(processor, image)).abs().max() <= PIL_VS_TORCHVISION_ATOL
+
+
+def test_deprecated_fast_names_warn_and_point_to_the_new_name():
+    pytest.importorskip("torchvision")
+    with pytest.warns(FutureWarning, match="use `VecaImageProcessor`"):
+        assert veca_hf.VecaImageProcessorFast is VecaImageProcessor
+    sys.modules.pop("veca_hf.image_processing_veca_fast", None)  # so that importing it runs (and warns) again
+    with pytest.warns(FutureWarning, match="import `VecaImageProcessor`"):
+        from veca_hf.image_processing_veca_fast import VecaImageProcessorFast
+    assert VecaImageProcessorFast is VecaImageProcessor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current names do not warn
+        assert veca_hf.VecaImageProcessor is VecaImageProcessor
+        assert veca_hf.VecaImageProcessorPil is VecaImageProcessorPil
+    with pytest.raises(AttributeError, match="VecaImageProcessorSlow"):
+        veca_hf.VecaImageProcessorSlow  # noqa: B018

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from veca_hf import VECA_PRESETS, VecaConfig, VecaModel, modeling_veca
-from veca_hf.modeling_veca import farthest_point_core_coordinates, linear_into_workspace
+from veca_hf.modeling_veca import farthest_point_core_coordinates
 
 
 def make_model(**overrides) -> VecaModel:
@@ -345,12 +345,14 @@ def test_torch_compile_dynamic_builds_one_graph_for_every_budget_and_size():
 
 
 def test_patch_embedding_gemm_equals_the_convolution():
-    """`embed_patches` runs the `Conv2d` as one GEMM over flattened patches: same values and gradients."""
+    """`VecaPatchEmbeddings` runs its `Conv2d` as one GEMM over flattened patches: same values and gradients."""
     model = make_model()
     pixel_values = torch.randn(2, 3, 48, 80, requires_grad=True)
     conv = model.embeddings.patch_embeddings
-    expected = conv(pixel_values).flatten(2).transpose(1, 2)  # (B, N, D), row-major patches
-    patches = model.embeddings.embed_patches(pixel_values)
+    assert isinstance(conv, torch.nn.Conv2d)
+    expected = torch.nn.functional.conv2d(pixel_values, conv.weight, conv.bias, stride=16)
+    expected = expected.flatten(2).transpose(1, 2)  # (B, N, D), row-major patches
+    patches = conv(pixel_values)
     torch.testing.assert_close(patches, expected, rtol=1e-5, atol=1e-5)
     weights = torch.randn_like(expected)
     grads = torch.autograd.grad((patches * weights).sum(), (pixel_values, conv.weight, conv.bias))
@@ -359,76 +361,146 @@ def test_patch_embedding_gemm_equals_the_convolution():
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)
 
 
+def test_state_dict_keys_are_the_checkpoint_layout():
+    keys = set(make_model().state_dict())
+    assert {"embeddings.patch_embeddings.weight", "embeddings.patch_embeddings.bias"} <= keys
+    assert {"embeddings.core_tokens.0", "embeddings.core_tokens.1", "embeddings.core_coordinates.1"} <= keys
+
+
+def test_accelerate_cpu_offload_gives_the_same_output(pixel_values):
+    """Offload hooks fire on every weight the model reads (patch GEMM, core bank): nothing is read on `meta`."""
+    from accelerate import cpu_offload
+
+    model = make_model()
+    with torch.no_grad():
+        expected = model(pixel_values, num_core_tokens=8).last_hidden_state
+        offloaded = cpu_offload(copy.deepcopy(model), execution_device=torch.device("cpu"))
+        assert any(p.device.type == "meta" for p in offloaded.parameters())
+        actual = offloaded(pixel_values, num_core_tokens=8).last_hidden_state
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_from_pretrained_with_a_device_map_that_offloads_to_cpu_and_disk(tmp_path, pixel_values):
+    """`device_map` with offloading: the embeddings (patch GEMM, core bank) and a block on "disk", the rest on the CPU,
+    give the same output as the plain model (Accelerate's hooks fire on every weight the model reads)."""
+    model = make_model()
+    model.save_pretrained(tmp_path / "veca")
+    layers = [f"encoder.layer.{index}" for index in range(model.config.num_hidden_layers)]
+    device_map = {"embeddings": "disk", "rope_embeddings": "cpu", "encoder.core_coordinate_heads": "cpu", "norm": "cpu",
+                  layers[0]: "disk", **{name: "cpu" for name in layers[1:]}}
+    offloaded = VecaModel.from_pretrained(
+        tmp_path / "veca", device_map=device_map, offload_folder=str(tmp_path / "offload"), offload_state_dict=True
+    ).eval()
+    assert offloaded.embeddings.patch_embeddings.weight.device.type == "meta"  # offloaded to disk
+    with torch.no_grad():
+        expected = model(pixel_values, num_core_tokens=8).last_hidden_state
+        actual = offloaded(pixel_values, num_core_tokens=8).last_hidden_state
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+# --- the public surface ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_class", ["VecaModel", "VecaForImageClassification", "VecaBackbone"])
+def test_unknown_keyword_arguments_raise(model_class, pixel_values):
+    import veca_hf
+
+    model = getattr(veca_hf, model_class)(tiny_config(num_labels=3)).eval()
+    with pytest.raises(TypeError, match="num_cores"):
+        model(pixel_values, num_cores=8)
+
+
+@pytest.mark.parametrize("attn_implementation", ["flash_attention_2", "flex_attention", "paged|eager"])
+def test_unsupported_attention_implementations_raise(attn_implementation):
+    """Only eager and sdpa: transformers refuses flash and flex itself, VECA refuses every other registered one."""
+    from transformers import AutoModel
+
+    with pytest.raises(ValueError, match="not support"):
+        AutoModel.from_config(tiny_config(), attn_implementation=attn_implementation)
+    model = make_model()
+    with pytest.raises(ValueError, match="not support"):
+        model.set_attn_implementation(attn_implementation)
+    model.set_attn_implementation("eager")  # the supported ones still switch
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("num_hidden_layers", [1, 3])
+def test_all_core_coordinates_are_the_positions_each_block_used(num_hidden_layers, pixel_values):
+    model = make_model(num_hidden_layers=num_hidden_layers)
+    with torch.no_grad():
+        for head in model.encoder.core_coordinate_heads:
+            head.step.fill_(0.5)  # make the cores move
+        outputs = model(pixel_values, num_core_tokens=8, output_core_coordinates=True)
+        plain = model(pixel_values, num_core_tokens=8)
+    assert plain.all_core_coordinates is None
+    per_block = outputs.all_core_coordinates
+    assert len(per_block) == num_hidden_layers
+    assert all(c.shape == (2, 8, 2) and c.abs().max() < 1 for c in per_block)
+    bank = torch.cat(list(model.embeddings.core_coordinates))[:8].tanh()
+    torch.testing.assert_close(per_block[0], bank.expand(2, -1, -1), rtol=0, atol=0)
+    torch.testing.assert_close(per_block[-1], outputs.core_coordinates, rtol=0, atol=0)
+    if num_hidden_layers > 1:
+        assert not torch.allclose(per_block[1], per_block[0])
+    # they are what RoPE rotated by: recompute block 2's input positions by hand
+    raw = torch.cat(list(model.embeddings.core_coordinates))[:8].unsqueeze(0)
+    with torch.no_grad():
+        hidden = model(pixel_values, num_core_tokens=8, output_hidden_states=True).hidden_states
+        for layer in range(1, num_hidden_layers):
+            raw = model.encoder.core_coordinate_heads[layer - 1](hidden[layer][:, :8], raw)
+            torch.testing.assert_close(per_block[layer], raw.tanh(), rtol=0, atol=0)
+
+
+def test_inactive_chunks_get_no_gradient_under_compile(pixel_values):
+    """Compiled training keeps the chunked bank's meaning: chunks past the budget get `grad = None`."""
+    torch._dynamo.reset()
+    model = make_model()
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="aot_eager")
+    for budget in (8, 16):
+        model.zero_grad(set_to_none=True)
+        compiled(pixel_values, num_core_tokens=budget).last_hidden_state.pow(2).mean().backward()
+        active = [p.grad is not None for p in model.embeddings.core_tokens]
+        assert active == [True, budget == 16]
+
+
+# --- opt-in CPU inference buffers (veca_hf.inference) -------------------------------------------------------------
+
+
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
-def test_inference_mlp_equals_the_autograd_mlp(hidden_act):
-    """Without autograd the SwiGLU activates and gates in place: same values as the autograd path."""
-    model = make_model(hidden_act=hidden_act)
-    mlp = model.encoder.layer[0].mlp
-    hidden_states = torch.randn(2, 20, model.config.hidden_size)
-    expected = mlp(hidden_states)
-    assert expected.requires_grad
+def test_cpu_inference_buffers_change_no_value(monkeypatch, hidden_act, pixel_values):
+    from veca_hf import inference
+
+    model = make_model(num_hidden_layers=3, hidden_act=hidden_act)
     with torch.no_grad():
-        torch.testing.assert_close(mlp(hidden_states), expected.detach(), rtol=1e-5, atol=1e-6)
+        expected = model(pixel_values, num_core_tokens=16, output_hidden_states=True)
+    monkeypatch.setattr(inference, "FRESH_MMAP_BYTES", 0)  # the tiny model's outputs are all small
+    with torch.no_grad(), inference.cpu_inference_buffers(model):
+        actual = model(pixel_values, num_core_tokens=16, output_hidden_states=True)
+    for got, want in zip(actual.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # with autograd the patched modules run as usual, and leaving the context restores the class forwards
+    with inference.cpu_inference_buffers(model):
+        grad_output = model(pixel_values, num_core_tokens=16).last_hidden_state
+    assert grad_output.requires_grad
+    assert all("forward" not in vars(m) for m in model.modules())
 
 
-def test_linear_into_workspace_reuses_one_buffer_and_equals_the_linear(monkeypatch):
-    linear = torch.nn.Linear(8, 12)
-    first, second = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
-    workspace = {}
-    with torch.no_grad():
-        # outputs glibc would not map fresh keep the plain call
-        linear_into_workspace(linear, first, workspace, "proj")
-        assert workspace == {}
-        monkeypatch.setattr(modeling_veca, "FRESH_MMAP_BYTES", 0)
-        out_first = linear_into_workspace(linear, first, workspace, "proj")
-        torch.testing.assert_close(out_first, linear(first), rtol=0, atol=0)
-        out_second = linear_into_workspace(linear, second, workspace, "proj")
-        assert out_second.data_ptr() == out_first.data_ptr() and workspace["proj"] is out_second
-        torch.testing.assert_close(out_second, linear(second), rtol=0, atol=0)
-        # another shape gets a new buffer
-        other = linear_into_workspace(linear, torch.randn(3, 8), workspace, "proj")
-        assert other.shape == (3, 12) and workspace["proj"] is other
-    # with autograd the module runs as usual: a fresh output that carries gradients
-    out = linear_into_workspace(linear, first, workspace, "proj")
-    assert out.requires_grad and out.data_ptr() != other.data_ptr()
+def test_cpu_inference_buffers_are_shared_across_blocks(monkeypatch):
+    from veca_hf import inference
 
-
-def test_linear_into_workspace_keeps_hooks_and_subclasses(monkeypatch):
-    monkeypatch.setattr(modeling_veca, "FRESH_MMAP_BYTES", 0)
-    calls = []
-    hooked = torch.nn.Linear(8, 12)
-    hooked.register_forward_hook(lambda module, args, output: calls.append(output.shape))
-
-    class ScaledLinear(torch.nn.Linear):  # stands in for an adapter or a quantised layer
-        def forward(self, x):
-            return 2 * super().forward(x)
-
-    scaled = ScaledLinear(8, 12)
-    inputs = torch.randn(4, 8)
-    with torch.no_grad():
-        workspace = {}
-        linear_into_workspace(hooked, inputs, workspace, "a")
-        assert calls == [(4, 12)] and "a" not in workspace
-        out = linear_into_workspace(scaled, inputs, workspace, "b")
-        torch.testing.assert_close(out, 2 * torch.nn.functional.linear(inputs, scaled.weight, scaled.bias))
-        assert "b" not in workspace
-
-
-def test_inference_forward_shares_projection_buffers_across_blocks(monkeypatch, pixel_values):
-    """Without autograd on CPU every block writes its qkv and SwiGLU input projections into the same two buffers,
-    and the output equals the autograd forward's."""
-    model = make_model(num_hidden_layers=3).eval()
-    expected = model(pixel_values, num_core_tokens=16).last_hidden_state
-    buffers = {}
-
-    def spy(linear, hidden_states, workspace, name):
-        output = linear_into_workspace(linear, hidden_states, workspace, name)
-        buffers.setdefault(name, set()).add(output.data_ptr())
-        return output
-
-    monkeypatch.setattr(modeling_veca, "linear_into_workspace", spy)
-    monkeypatch.setattr(modeling_veca, "FRESH_MMAP_BYTES", 0)  # the tiny model's outputs are all small
-    with torch.no_grad():
-        output = model(pixel_values, num_core_tokens=16).last_hidden_state
-    assert {name: len(pointers) for name, pointers in buffers.items()} == {"qkv": 1, "gate_up": 1}
-    torch.testing.assert_close(output, expected.detach(), rtol=1e-5, atol=1e-6)
+    model = make_model(num_hidden_layers=3)
+    monkeypatch.setattr(inference, "FRESH_MMAP_BYTES", 0)
+    outputs = {}
+    with torch.no_grad(), inference.cpu_inference_buffers(model):
+        hidden_states = torch.randn(2, 20, 64)
+        for index, layer in enumerate(model.encoder.layer):
+            qkv = layer.attention.qkv_proj(hidden_states)
+            projection = layer.attention.qkv_proj
+            expected = torch.nn.functional.linear(hidden_states, projection.weight, projection.bias)
+            torch.testing.assert_close(qkv, expected)
+            outputs.setdefault("qkv", set()).add(qkv.data_ptr())
+            outputs.setdefault("gate_up", set()).add(layer.mlp.gate_up_proj(hidden_states).data_ptr())
+        hooked = model.encoder.layer[0].attention.qkv_proj
+        handle = hooked.register_forward_hook(lambda module, args, output: None)
+        assert hooked(hidden_states).data_ptr() not in outputs["qkv"]  # a hook may keep the output: no sharing
+        handle.remove()
+    assert {name: len(p) for name, p in outputs.items()} == {"qkv": 1, "gate_up": 1}

@@ -20,7 +20,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CKPT = os.path.join(FIXTURES, "tiny_reference.pth")
 VECTORS = os.path.join(FIXTURES, "tiny_vectors.safetensors")
 
-SPEC_ROPE_EXAMPLE = [
+RESEARCH_CODE_ROPE_EXAMPLE = [  # head size 32, coordinate (0.25, -0.5), computed with the paper's research code
     -1, 0, -1.0494, 3.4495, 1.1338, 6.3019, 3.8374, 8.383, 6.4936,
     10.1407, 8.9906, 11.8393, 11.3397, 13.5798, 14, 15, -16, -17, 15.1339,
     -21.3533, 28.5122, -5.2967, 30.8464, 7.842, 30.5508, 16.36, 30.3405,
@@ -28,19 +28,19 @@ SPEC_ROPE_EXAMPLE = [
 ]
 
 
-def test_rope_periods_spec_example():
+def test_rope_periods_example():
     p = rope_periods(32)
     expected = [1, 1.7783, 3.1623, 5.6234, 10, 17.7828, 31.6228]
     assert torch.allclose(p[:7], torch.tensor(expected, dtype=p.dtype), atol=1e-4)
     assert torch.isinf(p[7])
 
 
-def test_rope_spec_worked_example():
+def test_rope_worked_example():
     x = torch.arange(32, dtype=torch.float32)[None]  # (T=1, Hd=32)
     coords = torch.tensor([[0.25, -0.5]])
     out = rope_rotate_interleaved(x, coords, head_dim=32, base=100, p_zero=0.125)
     assert out.shape == (1, 32)
-    torch.testing.assert_close(out[0], torch.tensor(SPEC_ROPE_EXAMPLE), atol=1e-3, rtol=0)
+    torch.testing.assert_close(out[0], torch.tensor(RESEARCH_CODE_ROPE_EXAMPLE), atol=1e-3, rtol=0)
 
 
 def test_rope_preserves_norm_and_identity_at_origin():
@@ -89,7 +89,7 @@ def test_matches_reference_vectors(budget):
 
 
 def test_one_block_patch_locality():
-    """Spec: with one block a patch's output does not depend on other patches' pixels."""
+    """With one block a patch's output does not depend on other patches' pixels."""
     torch.manual_seed(0)
     model = ReferenceVeca(hidden_dim=64, num_heads=2, num_layers=1, mlp_hidden=96, num_query_tokens=16).eval()
     pv = torch.randn(1, 3, 32, 32)

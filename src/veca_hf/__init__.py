@@ -3,8 +3,11 @@
 
 Importing this package registers VECA with the Auto classes (`AutoConfig`, `AutoModel`,
 `AutoModelForImageClassification`, `AutoBackbone`, `AutoImageProcessor`), so Auto loading and pipelines work on
-saved VECA folders.
+saved VECA folders. The image processors follow transformers 5: `VecaImageProcessor` (torchvision backend, chosen by
+`AutoImageProcessor` when torchvision is installed) and `VecaImageProcessorPil` (PIL, the base install).
 """
+
+import warnings
 
 from transformers import (
     AutoBackbone,
@@ -13,8 +16,10 @@ from transformers import (
     AutoModel,
     AutoModelForImageClassification,
 )
+from transformers.utils import is_torchvision_available
 
 from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
+from .image_processing_pil_veca import VecaImageProcessorPil
 from .image_processing_veca import VecaImageProcessor
 from .modeling_veca import (
     VecaBackbone,
@@ -25,20 +30,16 @@ from .modeling_veca import (
 )
 
 
-try:  # the fast (torchvision) processor is optional
-    from .image_processing_veca_fast import VecaImageProcessorFast
-except ImportError:  # torchvision missing
-    VecaImageProcessorFast = None
-
-
 def _register_auto_classes() -> None:
     AutoConfig.register(VecaConfig.model_type, VecaConfig, exist_ok=True)
     AutoModel.register(VecaConfig, VecaModel, exist_ok=True)
     AutoModelForImageClassification.register(VecaConfig, VecaForImageClassification, exist_ok=True)
     AutoBackbone.register(VecaConfig, VecaBackbone, exist_ok=True)
-    processors = {"pil": VecaImageProcessor}
-    if VecaImageProcessorFast is not None:
-        processors["torchvision"] = VecaImageProcessorFast
+    # NOTE: without torchvision only the PIL processor is registered, so that `backend="torchvision"` falls back to
+    # it with a warning, as for transformers' own models (their torchvision classes are then dummies).
+    processors = {"pil": VecaImageProcessorPil}
+    if is_torchvision_available():
+        processors["torchvision"] = VecaImageProcessor
     AutoImageProcessor.register(VecaConfig, image_processor_classes=processors, exist_ok=True)
     # Saved folders carry the code and an auto_map, so they also load with trust_remote_code=True.
     VecaConfig.register_for_auto_class()
@@ -46,11 +47,24 @@ def _register_auto_classes() -> None:
     VecaForImageClassification.register_for_auto_class("AutoModelForImageClassification")
     VecaBackbone.register_for_auto_class("AutoBackbone")
     VecaImageProcessor.register_for_auto_class("AutoImageProcessor")
+    VecaImageProcessorPil.register_for_auto_class("AutoImageProcessor")
 
 
 _register_auto_classes()
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "VecaImageProcessorFast":  # the name before transformers 5's backend naming
+        warnings.warn(
+            "`VecaImageProcessorFast` is deprecated: use `VecaImageProcessor` (the same torchvision processor).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return VecaImageProcessor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "VECA_PRESETS",
@@ -59,7 +73,7 @@ __all__ = [
     "VecaConfig",
     "VecaForImageClassification",
     "VecaImageProcessor",
-    "VecaImageProcessorFast",
+    "VecaImageProcessorPil",
     "VecaModel",
     "VecaModelOutput",
     "VecaPreTrainedModel",

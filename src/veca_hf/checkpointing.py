@@ -2,10 +2,15 @@
 """Crash-safe training checkpoints on top of `Accelerator.save_state` / `load_state`.
 
 A checkpoint is written into a hidden temporary folder and renamed to `checkpoint-{step}` only once every process
-has finished writing, so a folder with a final name is always complete: a crash mid-save leaves the previous
-checkpoint intact, and `find_latest_checkpoint` never picks a half-written one.
+has finished writing, so a crash mid-save leaves the previous checkpoint intact. The last file written before the
+rename is `manifest.json` (the size and SHA-256 of every other file), so a checkpoint damaged later (a disk failure,
+a truncated copy) is recognised: `find_latest_checkpoint` skips it and falls back to the newest complete one.
+A failed save (disk full) removes its temporary folder and says so; older checkpoints are rotated away
+(`total_limit`) only after the new one is complete, and non-finite weights or optimiser states are never saved.
 """
 
+import errno
+import hashlib
 import json
 import os
 import re
@@ -14,11 +19,16 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from .faults import any_process, nonfinite_tensor_names
+
 
 logger = logging.get_logger(__name__)
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 TRAINING_STATE_NAME = "training_state.json"
+MANIFEST_NAME = "manifest.json"
+# How a full disk shows in errors that are not OSError (safetensors: "StorageFull", torch.save: "file write failed").
+_DISK_FULL_TEXTS = ("No space left", "StorageFull", "Disk quota exceeded", "code: 28")
 
 
 def process_state_name(process_index: int) -> str:
@@ -26,7 +36,7 @@ def process_state_name(process_index: int) -> str:
 
 
 def checkpoint_steps(checkpoints_dir: str | Path) -> list[int]:
-    """Steps of the complete checkpoints in `checkpoints_dir`, ascending."""
+    """Steps of the `checkpoint-{step}` folders in `checkpoints_dir` (complete or not), ascending."""
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
         return []
@@ -34,30 +44,123 @@ def checkpoint_steps(checkpoints_dir: str | Path) -> list[int]:
     return sorted(steps)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: str | Path) -> None:
+    """Write `manifest.json` (size and SHA-256 of every other file under `folder`); call it after everything else."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    manifest = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    _write_json(folder / MANIFEST_NAME, {"files": manifest})
+
+
+def checkpoint_problem(folder: str | Path, verify_checksums: bool = True) -> str | None:
+    """
+    Why a checkpoint folder cannot be resumed from, or `None` if it is complete.
+
+    Complete means: its `manifest.json` is readable and every file it lists is there with the recorded size (and
+    SHA-256, with `verify_checksums`). A folder written before manifests existed counts as complete when it has its
+    `training_state.json` (it cannot be verified further).
+
+    Args:
+        folder (`str` or `Path`): a `checkpoint-{step}` folder.
+        verify_checksums (`bool`, *optional*, defaults to `True`): also compare checksums (reads every file).
+
+    Returns:
+        `str` or `None`: a short description of the first problem found (a missing or truncated file, ...).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "not a folder"
+    manifest_file = folder / MANIFEST_NAME
+    if not manifest_file.is_file():
+        if (folder / TRAINING_STATE_NAME).is_file():
+            logger.warning(f"{folder} has no {MANIFEST_NAME} (written by an older version): it cannot be verified.")
+            return None
+        return f"no {MANIFEST_NAME}"
+    try:
+        files = json.loads(manifest_file.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable {MANIFEST_NAME} ({type(error).__name__}: {error})"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size} bytes instead of {expected['size']} (truncated or overwritten)"
+        if verify_checksums and _sha256(path) != expected["sha256"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
 def find_latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or `None`."""
-    steps = checkpoint_steps(checkpoints_dir)
-    return Path(checkpoints_dir) / f"checkpoint-{steps[-1]}" if steps else None
+    """
+    The newest complete checkpoint folder (see `checkpoint_problem`), or `None` when there is no checkpoint at all.
+
+    Newer checkpoints that are damaged are skipped with a warning naming the problem.
+
+    Raises:
+        `ValueError`: if there are checkpoints but none is complete (starting from scratch would silently lose them).
+    """
+    checkpoints_dir = Path(checkpoints_dir)
+    problems = []
+    for step in reversed(checkpoint_steps(checkpoints_dir)):
+        folder = checkpoints_dir / f"checkpoint-{step}"
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            for damaged, why in problems:
+                logger.warning(f"Skipping the damaged checkpoint {damaged} ({why}); resuming from {folder} instead.")
+            return folder
+        problems.append((folder, problem))
+    if problems:
+        listing = "; ".join(f"{folder.name}: {why}" for folder, why in problems)
+        raise ValueError(
+            f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} ({listing}). Resume from an "
+            "intact copy (--resume_from_checkpoint <folder>), or move these folders away and leave out "
+            "--resume_from_checkpoint to start from scratch."
+        )
+    return None
 
 
 def resolve_resume_path(resume_from_checkpoint: str | None, checkpoints_dir: str | Path) -> Path | None:
-    """`None` -> no resume; `"latest"` -> the newest checkpoint (or `None` when there is none yet); else the path."""
+    """
+    The checkpoint to resume from.
+
+    `None` or `""` -> no resume; `"latest"` -> the newest complete checkpoint, falling back past damaged ones
+    (`None`, with a warning, when `checkpoints_dir` holds no checkpoint yet, e.g. the first launch of a job that is
+    always started with `latest`); else the given folder, which must be complete.
+
+    Raises:
+        `ValueError`: if the given folder is not a complete checkpoint, or if `"latest"` finds checkpoints but none
+        is complete.
+    """
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint == "latest":
-        return find_latest_checkpoint(checkpoints_dir)
+        path = find_latest_checkpoint(checkpoints_dir)
+        if path is None:
+            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_dir} yet, starting at step 0.")
+        return path
     path = Path(resume_from_checkpoint)
-    if not (path / TRAINING_STATE_NAME).is_file():
+    problem = checkpoint_problem(path)
+    if problem is not None:
         raise ValueError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint folder (no "
-            f"{TRAINING_STATE_NAME}); pass 'latest' or a checkpoint-<step> folder."
+            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint folder ({problem}); "
+            "pass 'latest' (the newest complete one) or another checkpoint-<step> folder."
         )
     return path
 
 
 def save_checkpoint(accelerator, checkpoints_dir: str | Path, step: int, training_state: dict, process_state: dict,
-                    total_limit: int | None = None) -> Path:
-    """Saves model, optimiser, RNG and registered objects (Accelerate), plus JSON state, atomically.
+                    total_limit: int | None = None, check_finite: tuple = ()) -> Path:
+    """Saves model, optimiser, RNG and registered objects (Accelerate), plus JSON state and a manifest, atomically.
 
     Args:
         accelerator (`accelerate.Accelerator`): the run's accelerator (every process must call this).
@@ -65,30 +168,81 @@ def save_checkpoint(accelerator, checkpoints_dir: str | Path, step: int, trainin
         step (`int`): the optimiser step just completed.
         training_state (`dict`): JSON-serialisable state shared by all processes (written by the main process).
         process_state (`dict`): JSON-serialisable state of this process (e.g. its position in its data stream).
-        total_limit (`int`, *optional*): keep only this many newest checkpoints.
+        total_limit (`int`, *optional*): keep only this many newest complete checkpoints (older ones are deleted
+            only once the new one is complete).
+        check_finite (`tuple` of modules and optimisers, *optional*): refuse to save if any of their parameters,
+            buffers or optimiser states holds a NaN or an infinity (on any process).
+
+    Raises:
+        `RuntimeError`: if `check_finite` finds a non-finite value (nothing is written), or if writing fails (e.g.
+        the disk is full: the temporary folder is removed, the previous checkpoints are untouched).
     """
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"checkpoint-{step}"
     temporary = checkpoints_dir / f".tmp-checkpoint-{step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(temporary))
-    _write_json(temporary / process_state_name(accelerator.process_index), process_state)
-    if accelerator.is_main_process:
-        _write_json(temporary / TRAINING_STATE_NAME, training_state)
-    accelerator.wait_for_everyone()
+    bad = nonfinite_tensor_names(*check_finite) if check_finite else []
+    if any_process(accelerator, bool(bad))[0]:
+        where = f": {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else " on another process"
+        raise RuntimeError(
+            f"Refusing to save checkpoint-{step}: non-finite values (NaN or inf) in the weights or optimiser state"
+            f"{where}. The previous checkpoints are untouched; resume from the newest one (--resume_from_checkpoint "
+            "latest), with a lower --learning_rate or a --max_grad_norm."
+        )
+    error = None
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)
+            temporary.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(temporary))
+        _write_json(temporary / process_state_name(accelerator.process_index), process_state)
+        if accelerator.is_main_process:
+            _write_json(temporary / TRAINING_STATE_NAME, training_state)
+    # NOTE: any exception, not only OSError: safetensors and torch.save report a full disk as their own errors. Every
+    # process reaches the agreement below, so none waits forever for one that failed.
+    except Exception as caught:
+        error = caught
+    failed = any_process(accelerator, error is not None)[0]
+    if not failed and accelerator.is_main_process:
+        try:
+            write_manifest(temporary)  # NOTE: last, once every process has written its files
+        except Exception as caught:
+            error = caught
+    failed = any_process(accelerator, error is not None)[0]
+    if failed:
+        if accelerator.is_main_process:
+            shutil.rmtree(temporary, ignore_errors=True)
+        previous = [s for s in checkpoint_steps(checkpoints_dir) if s != step]
+        kept = f"checkpoint-{previous[-1]} and older are" if previous else "no earlier checkpoint was"
+        cause = f"{type(error).__name__}: {error}" if error is not None else "writing failed on another process"
+        disk_full = error is not None and (getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+                                           or any(text in str(error) for text in _DISK_FULL_TEXTS))
+        raise RuntimeError(
+            f"Could not save checkpoint-{step} in {checkpoints_dir} ({cause})"
+            f"{': the disk is full' if disk_full else ''}. The partial folder was removed and {kept} untouched. "
+            "Free space there (or lower --checkpoints_total_limit), then resume with --resume_from_checkpoint latest."
+        ) from error
     if accelerator.is_main_process:
         if final.exists():  # re-saving the same step after a resume
             shutil.rmtree(final)
         os.replace(temporary, final)
         if total_limit:
-            for old_step in checkpoint_steps(checkpoints_dir)[:-total_limit]:
-                shutil.rmtree(checkpoints_dir / f"checkpoint-{old_step}", ignore_errors=True)
+            _rotate(checkpoints_dir, total_limit)
         logger.info(f"Saved checkpoint {final}")
     accelerator.wait_for_everyone()
     return final
+
+
+def _rotate(checkpoints_dir: Path, total_limit: int) -> None:
+    """Delete every checkpoint older than the newest `total_limit` complete ones (sizes checked, not checksums)."""
+    complete = [s for s in checkpoint_steps(checkpoints_dir)
+                if checkpoint_problem(checkpoints_dir / f"checkpoint-{s}", verify_checksums=False) is None]
+    if len(complete) <= total_limit:
+        return
+    oldest_kept = complete[-total_limit]
+    for old_step in checkpoint_steps(checkpoints_dir):
+        if old_step < oldest_kept:
+            shutil.rmtree(checkpoints_dir / f"checkpoint-{old_step}", ignore_errors=True)
 
 
 def load_checkpoint(accelerator, path: str | Path) -> tuple[dict, dict]:
@@ -111,4 +265,11 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(temporary, path)
 
 
-__all__ = ["find_latest_checkpoint", "load_checkpoint", "resolve_resume_path", "save_checkpoint"]
+__all__ = [
+    "checkpoint_problem",
+    "find_latest_checkpoint",
+    "load_checkpoint",
+    "resolve_resume_path",
+    "save_checkpoint",
+    "write_manifest",
+]

@@ -1,12 +1,14 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """VECA (Visual Elastic Core Attention) model configuration."""
 
+import numbers
+
 from huggingface_hub.dataclasses import strict
 from transformers.backbone_utils import BackboneConfigMixin
 from transformers.configuration_utils import PreTrainedConfig
 
 
-# The four released sizes (spec section 3). Everything else keeps the class defaults.
+# The four released sizes (the paper's model sizes, arXiv 2605.12491). Everything else keeps the class defaults.
 VECA_PRESETS: dict[str, dict] = {
     "veca-s16": {"hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6, "intermediate_size": 1024},
     "veca-splus16": {"hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6, "intermediate_size": 1536},
@@ -83,8 +85,10 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
         apply_layernorm (`bool`, *optional*, defaults to `True`):
             [`VecaBackbone`] only: apply the final LayerNorm to every returned feature map.
         reshape_hidden_states (`bool`, *optional*, defaults to `True`):
-            [`VecaBackbone`] only: return feature maps as `(batch, hidden_size, height / patch, width / patch)`
-            instead of `(batch, num_patches, hidden_size)`.
+            [`VecaBackbone`] only: return feature maps as `(batch, hidden_size, height / patch, width / patch)` (for
+            UperNet and other convolutional heads). `False` returns token sequences `(batch, 1 + num_patches,
+            hidden_size)`: the global core (core 1) as the single prefix token, then the patches in row-major order,
+            the ViT layout that Depth Anything and DPT expect.
         out_features (`list[str]`, *optional*):
             [`VecaBackbone`] only: stages to return, among `"stem"`, `"stage1"`, ..., `"stage{L}"`.
         out_indices (`list[int]`, *optional*):
@@ -175,13 +179,15 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
 
     def check_budget(self, num_core_tokens, name: str = "num_core_tokens") -> int:
         """Returns `num_core_tokens` as an int, or raises a `ValueError` that lists the valid budgets."""
-        if isinstance(num_core_tokens, bool) or not isinstance(num_core_tokens, int) or num_core_tokens not in self.budgets:
+        # NOTE: any Python or NumPy integer (not a bool, not a float such as 8.0) counts.
+        valid = isinstance(num_core_tokens, numbers.Integral) and not isinstance(num_core_tokens, bool)
+        if not valid or int(num_core_tokens) not in self.budgets:
             raise ValueError(
                 f"{name}={num_core_tokens!r} is not a valid budget: use a multiple of core_chunk_size="
                 f"{self.core_chunk_size} between {self.core_chunk_size} and num_core_tokens={self.num_core_tokens}, "
                 f"i.e. one of {self.budgets}."
             )
-        return num_core_tokens
+        return int(num_core_tokens)
 
     @classmethod
     def from_preset(cls, name: str, **kwargs) -> "VecaConfig":

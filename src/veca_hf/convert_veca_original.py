@@ -1,11 +1,12 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Convert a checkpoint of the VECA research code (spec section 8) into a Hugging Face folder.
+"""Convert a checkpoint of the VECA research code (arXiv 2605.12491, see docs/conversion.md) into a Hugging Face folder.
 
-    python -m veca_hf.convert_veca_original --checkpoint student.pth --output-dir veca-b16
+    python -m veca_hf.convert_veca_original --checkpoint student.pth --output-dir veca-b16 [--push_to_hub]
 
 The size is inferred from the tensors (and cross-checked against the checkpoint's `"config"` when present). The
-folder holds `model.safetensors`, `config.json`, the image processor, and the modeling code for
-`trust_remote_code` loading.
+folder holds `model.safetensors`, `config.json`, the image processor, the modeling code for `trust_remote_code`
+loading, and a model card (`README.md`). `--push_to_hub` uploads the folder to the Hub (repository `--hub_model_id`,
+by default the output folder's name in your namespace).
 """
 
 import argparse
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 
 from .configuration_veca import VecaConfig
-from .image_processing_veca import VecaImageProcessor
+from .image_processing_pil_veca import VecaImageProcessorPil
+from .model_card import create_hub_repo, preset_teacher, push_to_hub, resolve_hub_model_id, write_model_card
 from .modeling_veca import VecaModel
 
 
@@ -190,9 +192,17 @@ def fuse_qkv(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def convert_checkpoint(
-    checkpoint: str | Path, output_dir: str | Path | None = None, allow_unsafe_pickle: bool = False
+    checkpoint: str | Path,
+    output_dir: str | Path | None = None,
+    allow_unsafe_pickle: bool = False,
+    model_card_kwargs: dict | None = None,
 ) -> VecaModel:
-    """Converts a reference checkpoint into a `VecaModel`, saved (with its image processor) to `output_dir` if given."""
+    """Converts a reference checkpoint into a `VecaModel`, saved (with its image processor) to `output_dir` if given.
+
+    The saved folder gets a model card from `veca_hf.model_card.write_model_card`, called with `model_card_kwargs`
+    (e.g. `{"datasets": [...], "measure_latency": False}`). Its `base_model` defaults to the DINOv3 teacher of the
+    preset whose size the checkpoint has (`None` if it matches none).
+    """
     state_dict, checkpoint_config = load_reference_checkpoint(checkpoint, allow_unsafe_pickle=allow_unsafe_pickle)
     config = infer_config(state_dict, checkpoint_config)
     model = VecaModel(config)
@@ -209,7 +219,14 @@ def convert_checkpoint(
     model.eval()
     if output_dir is not None:
         model.save_pretrained(output_dir)
-        VecaImageProcessor().save_pretrained(output_dir)
+        VecaImageProcessorPil().save_pretrained(output_dir)  # no torchvision needed; saved as VecaImageProcessor
+        card_kwargs = {
+            "base_model": preset_teacher(config),
+            "description": f"Converted from the reference checkpoint `{Path(checkpoint).name}` with "
+            "`veca_hf.convert_veca_original`; outputs equal the research code's (see docs/conversion.md).",
+            **(model_card_kwargs or {}),
+        }
+        write_model_card(output_dir, model=model, **card_kwargs)
     return model
 
 
@@ -222,9 +239,42 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="fall back to a full unpickle when the file holds more than tensors (runs code from the file)",
     )
+    card = parser.add_argument_group("model card (README.md)")
+    card.add_argument(
+        "--base_model", "--base-model", default=None,
+        help="the teacher's Hub id (default: the DINOv3 teacher of the matching preset size; 'none' for no teacher)",
+    )  # fmt: skip
+    card.add_argument("--dataset", action="append", default=None, help="training data (Hub id); repeat for several")
+    card.add_argument("--license", default="apache-2.0", help="license identifier for the card (default apache-2.0)")
+    card.add_argument(
+        "--no_latency", "--no-latency", action="store_true",
+        help="do not time the budgets on this machine for the card (FLOPs are still listed)",
+    )  # fmt: skip
+    hub = parser.add_argument_group("Hugging Face Hub")
+    hub.add_argument("--push_to_hub", "--push-to-hub", action="store_true", help="upload the folder to the Hub")
+    hub.add_argument(
+        "--hub_model_id", "--hub-model-id", default=None,
+        help="repository to push to, 'user/name' (default: the output folder's name in your namespace)",
+    )  # fmt: skip
+    hub.add_argument("--hub_token", "--hub-token", default=None, help="write token (default: cached login / HF_TOKEN)")
+    hub.add_argument("--hub_private_repo", "--hub-private-repo", action="store_true", help="create the repo private")
     args = parser.parse_args(argv)
     try:
-        model = convert_checkpoint(args.checkpoint, args.output_dir, allow_unsafe_pickle=args.allow_unsafe_pickle)
+        # Checked before converting, so that a wrong flag fails in a second, not after the conversion.
+        repo_id = resolve_hub_model_id(args.output_dir, args.push_to_hub, args.hub_model_id, args.hub_token)
+        card_kwargs = {"datasets": args.dataset, "license": args.license, "measure_latency": not args.no_latency}
+        if repo_id is not None:
+            repo_id = card_kwargs["model_id"] = create_hub_repo(
+                repo_id, token=args.hub_token, private=args.hub_private_repo or None
+            )
+        if args.base_model is not None:
+            card_kwargs["base_model"] = None if args.base_model.lower() == "none" else args.base_model
+        model = convert_checkpoint(
+            args.checkpoint,
+            args.output_dir,
+            allow_unsafe_pickle=args.allow_unsafe_pickle,
+            model_card_kwargs=card_kwargs,
+        )
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")
     config = model.config
@@ -233,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
         f"Converted {args.checkpoint} -> {args.output_dir}: D={config.hidden_size}, L={config.num_hidden_layers}, "
         f"heads={config.num_attention_heads}, bank={config.num_core_tokens}, {num_parameters / 1e6:.2f}M parameters."
     )
+    if repo_id is not None:
+        push_to_hub(args.output_dir, repo_id, token=args.hub_token)
+        print(f"Pushed {args.output_dir} to https://huggingface.co/{repo_id}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Distillation pieces (spec sections 4-5): budget and resolution sampling, teacher targets, the loss, optimiser groups.
+"""Distillation pieces: budget and resolution sampling, teacher targets, the loss, optimiser groups.
 
-Everything here is pure and testable; `examples/distill.py` is the glue that runs it with Accelerate.
+They follow the elastic training and the distillation recipe of the paper (arXiv 2605.12491; docs/training.md
+lists the recipe as flags). Everything here is pure and testable; `examples/distill.py` is the glue that runs it
+with Accelerate.
 
 Shape legend: B batch, N patches, C active cores, D student width, Dt teacher width.
 """
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,17 +17,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import DINOv3ViTConfig
-from transformers.utils import logging
+from transformers.utils import cached_file, logging
 
 from .configuration_veca import VecaConfig
 
 
 logger = logging.get_logger(__name__)
 
-# Spec section 4: budgets 8..64 drawn with weights 1,1,2,2,3,3,4,4 (E[C] = 44).
+# The paper's elastic training: budgets 8..64 drawn with weights 1,1,2,2,3,3,4,4 (E[C] = 44).
 DEFAULT_BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64)
 DEFAULT_BUDGET_WEIGHTS = (1, 1, 2, 2, 3, 3, 4, 4)
-# Spec section 5, stage 2: one resolution per step, the mix changing at step 7k.
+# The paper's training recipe, stage 2: one resolution per step, the mix changing at step 7k.
 PAPER_STAGE2_RESOLUTION_SCHEDULE = "0:256,384,512@0.35,0.35,0.30;7000:256,384,512,768@0.15,0.25,0.30,0.30"
 
 
@@ -66,7 +69,7 @@ class WeightedChoice:
 
 
 class BudgetSampler(WeightedChoice):
-    """The elastic budget of each optimiser step (spec section 4); `sampler(step) -> C`."""
+    """The elastic budget of each optimiser step (the paper's elastic training); `sampler(step) -> C`."""
 
     def __init__(
         self,
@@ -75,6 +78,85 @@ class BudgetSampler(WeightedChoice):
         seed: int = 0,
     ):
         super().__init__(budgets, weights, seed=seed, stream=1)
+
+
+def paper_budget_weights(count: int) -> list[int]:
+    """Sampling weights growing with the budget as in the paper: `ceil(4 * i / count)` for the i-th smallest, i = 1..count.
+
+    For the paper's 8 budgets this is `(1, 1, 2, 2, 3, 3, 4, 4)`; for 2 budgets `(2, 4)`, for 4 `(1, 2, 3, 4)`.
+    """
+    if count < 1:
+        raise ValueError(f"Need at least one budget, got count={count}.")
+    return [math.ceil(4 * i / count) for i in range(1, count + 1)]
+
+
+def _parse_ints(text: str | Sequence, name: str, kind=int) -> list:
+    """`"8,16"` or `[8, 16]` -> `[8, 16]`, or a ValueError naming the flag."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        return [kind(item) for item in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"--{name} {text!r} is not a comma-separated list of numbers, e.g. '8,16,24'.") from None
+
+
+def default_budgets(config: VecaConfig) -> tuple[list[int], list[int]]:
+    """
+    The elastic training budgets of a student and their sampling weights, when none are given.
+
+    Every multiple of `config.core_chunk_size` up to `config.num_core_tokens` (`config.budgets`), weighted by
+    [`paper_budget_weights`] so that larger budgets are drawn more often, as in the paper (arXiv 2605.12491): a bank of
+    64 cores in chunks of 8 gives `8, 16, ..., 64` with weights `1, 1, 2, 2, 3, 3, 4, 4`; 16 cores give `8, 16` with
+    weights `2, 4`.
+
+    Args:
+        config (`VecaConfig`): the student's configuration.
+
+    Returns:
+        `tuple`: `(budgets, weights)`, two lists of ints of the same length.
+    """
+    budgets = config.budgets
+    return budgets, paper_budget_weights(len(budgets))
+
+
+def training_budgets(
+    config: VecaConfig, budgets: str | Sequence[int] | None = None, budget_weights: str | Sequence[float] | None = None
+) -> tuple[list[int], list[float]]:
+    """
+    The budgets to sample and their weights, from `--budgets` / `--budget_weights` (either may be None), checked.
+
+    - neither given: [`default_budgets`] of `config`;
+    - only `budgets`: weighted by [`paper_budget_weights`] in increasing budget order;
+    - only `budget_weights`: for `config.budgets`, so it must have one weight per valid budget.
+
+    Args:
+        config (`VecaConfig`): the student's configuration; every budget must be valid for it.
+        budgets (`str` or `Sequence[int]`, *optional*): e.g. `"8,16,32"`.
+        budget_weights (`str` or `Sequence[float]`, *optional*): e.g. `"1,2,4"`.
+
+    Returns:
+        `tuple`: `(budgets, weights)`.
+
+    Raises:
+        `ValueError`: for an invalid budget, or a number of weights that differs from the number of budgets.
+    """
+    if budgets is None:
+        values = config.budgets
+    else:
+        values = _parse_ints(budgets, "budgets")
+        for budget in values:
+            config.check_budget(budget, name="--budgets entry")
+    if budget_weights is None:
+        rank = {budget: i for i, budget in enumerate(sorted(set(values)))}
+        ranked = paper_budget_weights(len(rank))
+        return values, [float(ranked[rank[budget]]) for budget in values]
+    weights = _parse_ints(budget_weights, "budget_weights", kind=float)
+    if len(weights) != len(values):
+        source = "--budgets" if budgets is not None else f"the student's budgets (num_core_tokens={config.num_core_tokens})"
+        raise ValueError(
+            f"--budget_weights {budget_weights!r} has {len(weights)} weights but {source} {values} has {len(values)} "
+            "budgets: give one weight per budget, or leave --budget_weights out for the default weights."
+        )
+    return values, weights
 
 
 class ResolutionSchedule:
@@ -144,6 +226,93 @@ def _patch_size(config) -> int:
     return patch_size[0] if isinstance(patch_size, (tuple, list)) else int(patch_size)
 
 
+def teacher_normalization(teacher_name_or_path: str) -> tuple[list[float], list[float]] | None:
+    """The `(image_mean, image_std)` of a teacher's `preprocessor_config.json` (folder or cached Hub id), or `None`."""
+    try:
+        path = cached_file(teacher_name_or_path, "preprocessor_config.json", _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+    except (OSError, ValueError):
+        return None
+    if path is None:
+        return None
+    config = json.loads(open(path).read())
+    if config.get("image_mean") is None or config.get("image_std") is None:
+        return None
+    return [float(v) for v in config["image_mean"]], [float(v) for v in config["image_std"]]
+
+
+def transform_normalization(transform) -> tuple[list[float], list[float]] | None:
+    """The mean and std of the first `Normalize` in a torchvision `Compose` (or the transform itself), or `None`."""
+    for step in getattr(transform, "transforms", [transform]):
+        if hasattr(step, "mean") and hasattr(step, "std"):
+            return [float(v) for v in step.mean], [float(v) for v in step.std]
+    return None
+
+
+def check_teacher_student(
+    teacher_config,
+    student_config,
+    resolutions: Sequence[int],
+    teacher_mean_std: tuple[Sequence[float], Sequence[float]] | None = None,
+    student_mean_std: tuple[Sequence[float], Sequence[float]] | None = None,
+    tolerance: float = 1e-3,
+) -> None:
+    """
+    Check, before the first step, that a teacher and a student can be distilled together at these resolutions.
+
+    - every resolution is a multiple of the student's patch size (the teacher then sees the image resized to its own
+      patch size times the student's grid, so any teacher patch size works: `teacher_image_size`);
+    - both take the same number of channels;
+    - the teacher's normalisation (its `preprocessor_config.json`) equals the student's data pipeline's: the teacher
+      sees exactly the student's input tensors, so a different mean or std would shift every target.
+
+    Args:
+        teacher_config: the teacher's `config` (DINOv3 / DINOv2).
+        student_config: the student's config (`VecaConfig` or the dense control's `DINOv3ViTConfig`).
+        resolutions (`Sequence[int]`): every training and validation resolution.
+        teacher_mean_std (`tuple`, *optional*): the teacher's `(mean, std)` (see `teacher_normalization`);
+            `None` when unknown (not checked).
+        student_mean_std (`tuple`, *optional*): the student pipeline's `(mean, std)` (see
+            `transform_normalization`); `None` when unknown (not checked).
+        tolerance (`float`, *optional*, defaults to 1e-3): largest accepted difference per channel.
+
+    Raises:
+        `ValueError`: naming what disagrees and how to fix it.
+    """
+    student_patch, teacher_patch = _patch_size(student_config), _patch_size(teacher_config)
+    if teacher_patch <= 0:
+        raise ValueError(f"The teacher's patch size {teacher_patch} is not a positive integer.")
+    bad = [r for r in resolutions if r % student_patch]
+    if bad:
+        raise ValueError(
+            f"Resolution(s) {bad} are not multiples of the student's patch size {student_patch}: pick --resolution "
+            f"(and --validation_resolution) among multiples of {student_patch} (the teacher, patch size "
+            f"{teacher_patch}, sees each image resized to {teacher_patch} x the student's patch grid)."
+        )
+    teacher_channels = getattr(teacher_config, "num_channels", 3)
+    student_channels = getattr(student_config, "num_channels", 3)
+    if teacher_channels != student_channels:
+        raise ValueError(
+            f"The teacher takes {teacher_channels}-channel images and the student {student_channels}-channel ones: "
+            "distil from a teacher with the student's num_channels."
+        )
+    if teacher_mean_std is None or student_mean_std is None:
+        return
+    (teacher_mean, teacher_std), (student_mean, student_std) = teacher_mean_std, student_mean_std
+    if len(teacher_mean) != len(student_mean) or any(
+        abs(a - b) > tolerance
+        for a, b in zip([*teacher_mean, *teacher_std], [*student_mean, *student_std])
+    ):
+        raise ValueError(
+            f"The teacher expects images normalised with mean {list(teacher_mean)} and std {list(teacher_std)} (its "
+            f"preprocessor_config.json), but the student's data pipeline normalises with mean {list(student_mean)} "
+            f"and std {list(student_std)}; the teacher sees the student's tensors, so every target would be shifted. "
+            "Distil from a teacher that uses the student's normalisation (the LVD-1689M DINOv3 and the DINOv2 "
+            "checkpoints use ImageNet's), or correct image_mean / image_std in the teacher's preprocessor_config.json "
+            "if they are wrong."
+        )
+
+
 @torch.no_grad()
 def compute_teacher_targets(
     teacher: nn.Module,
@@ -154,9 +323,9 @@ def compute_teacher_targets(
 ) -> TeacherTargets:
     """Runs the frozen teacher on the student's normalised images and returns its distillation targets.
 
-    Spec section 5: the CLS token is token 0 of `last_hidden_state` (already after the teacher's final norm); the
-    patch targets are the tokens after `1 + num_register_tokens`. A teacher with another patch size (DINOv2 uses 14)
-    sees the image resized so that both patch grids are equal.
+    As in the paper's distillation objective, the CLS token is token 0 of `last_hidden_state` (already after the
+    teacher's final norm); the patch targets are the tokens after `1 + num_register_tokens`. A teacher with another
+    patch size (DINOv2 uses 14) sees the image resized so that both patch grids are equal.
 
     Args:
         teacher (`nn.Module`): a DINOv3 / DINOv2 `AutoModel`; it is kept in eval mode (DINOv3's train mode
@@ -194,7 +363,7 @@ def compute_teacher_targets(
 
 
 class DistillationLoss(nn.Module):
-    """`L = L_global + dense_weight * (L_dense_cos + mse_weight * L_dense_mse)` (spec section 5), in fp32.
+    """`L = L_global + dense_weight * (L_dense_cos + mse_weight * L_dense_mse)` in fp32: the paper's objective.
 
     - `L_global = mean_b (1 - cos(student global core, teacher CLS))`
     - `L_dense_cos = mean_{b,n} (1 - cos(student patch, teacher patch))`
@@ -266,6 +435,14 @@ def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+# fields that `VecaConfig` and `DINOv3ViTConfig` name and mean alike
+_DENSE_STUDENT_COPIED_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act", "layer_norm_eps",
+    "initializer_range", "image_size", "patch_size", "num_channels", "rope_theta", "pos_embed_shift",
+    "pos_embed_jitter", "pos_embed_rescale",
+)  # fmt: skip
+
+
 def dense_student_config(config: VecaConfig, num_register_tokens: int = 0) -> DINOv3ViTConfig:
     """A `DINOv3ViTConfig` of the same size as a VECA config: the control student whose only difference is dense
     patch-to-patch attention (and a CLS token in place of the core bank).
@@ -274,29 +451,10 @@ def dense_student_config(config: VecaConfig, num_register_tokens: int = 0) -> DI
     copied. What DINOv3's block has and VECA's has not: a learnable LayerScale per branch (initialised to 1, i.e.
     the identity at start) and RoPE without zeroed low frequencies.
     """
+    copied = {name: getattr(config, name) for name in _DENSE_STUDENT_COPIED_FIELDS}
+    biases = dict(query_bias=True, key_bias=True, value_bias=True, proj_bias=True, mlp_bias=True)
     return DINOv3ViTConfig(
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size,
-        hidden_act=config.hidden_act,
-        use_gated_mlp=True,
-        query_bias=True,
-        key_bias=True,
-        value_bias=True,
-        proj_bias=True,
-        mlp_bias=True,
-        layerscale_value=1.0,
-        layer_norm_eps=config.layer_norm_eps,
-        initializer_range=config.initializer_range,
-        image_size=config.image_size,
-        patch_size=config.patch_size,
-        num_channels=config.num_channels,
-        num_register_tokens=num_register_tokens,
-        rope_theta=config.rope_theta,
-        pos_embed_shift=config.pos_embed_shift,
-        pos_embed_jitter=config.pos_embed_jitter,
-        pos_embed_rescale=config.pos_embed_rescale,
+        **copied, **biases, use_gated_mlp=True, layerscale_value=1.0, num_register_tokens=num_register_tokens
     )
 
 
@@ -347,8 +505,14 @@ __all__ = [
     "StudentWithLoss",
     "TeacherTargets",
     "WeightedChoice",
+    "check_teacher_student",
     "compute_teacher_targets",
     "dense_student_config",
+    "default_budgets",
     "get_parameter_groups",
+    "paper_budget_weights",
     "teacher_image_size",
+    "teacher_normalization",
+    "training_budgets",
+    "transform_normalization",
 ]

@@ -10,15 +10,21 @@ to the cores only, so attention costs `2NC + C^2` query-key pairs instead of `(N
     queries: cores    [  full     full  ]    call 1: cores over all C + N tokens
              patches  [  full     ----  ]    call 2: patches over the C cores only
 
+Since patches never attend to each other, images of different sizes share a batch exactly: padded to one grid, with
+the padded patches masked out of the cores' call and each image's patches at its own grid's RoPE positions
+(`pixel_mask`; docs/usage.md, "Images of different sizes in one batch").
+
 Shape legend: B batch, C active cores (the budget), M core bank, N patches (Hp * Wp), T = C + N tokens,
 H heads, Hd head size, D hidden size, I SwiGLU hidden size.
 
-NOTE: this file imports only torch, transformers and the sibling config, so that a saved folder loads with
-`trust_remote_code=True` where `veca_hf` is not installed.
+Where the tokens are (patch and core coordinates, the padding mask, 2D RoPE) lives in `positions_veca.py`.
+
+NOTE: this file imports only torch, transformers and its siblings `configuration_veca` and `positions_veca` (both
+relatively, so `save_pretrained` copies them too), so that a saved folder loads with `trust_remote_code=True` where
+`veca_hf` is not installed (deepspeed only lazily, when it partitioned the weights).
 """
 
-import math
-from collections.abc import Callable
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +35,28 @@ from transformers.backbone_utils import BackboneMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BackboneOutput, BaseModelOutputWithPooling, ImageClassifierOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.pytorch_utils import compile_compatible_method_lru_cache
 from transformers.utils import logging
 
 from .configuration_veca import VecaConfig
+from .positions_veca import (
+    VecaRopePositionEmbedding,
+    apply_rotary_pos_emb,
+    augment_patch_coordinates,
+    farthest_point_core_coordinates,
+    get_padded_patch_coordinates,
+    get_patch_coordinates,
+    get_patch_mask,
+    rope_inv_freq,
+)
 
 
 logger = logging.get_logger(__name__)
 
 # Written into every saved config so the folder loads with `trust_remote_code=True` where veca_hf is not installed
 # (transformers itself records only the class that was saved).
+# NOTE: no `AutoImageProcessor` entry: a model folder need not hold a processor, and `auto_map` must name only classes
+# whose code is in the folder. The processors' own `save_pretrained` writes that entry into preprocessor_config.json,
+# naming both backends, and copies both processor files (`image_processing_pil_veca.VecaImageProcessingDefaults`).
 VECA_AUTO_MAP = {
     "AutoConfig": "configuration_veca.VecaConfig",
     "AutoModel": "modeling_veca.VecaModel",
@@ -65,134 +83,112 @@ class VecaModelOutput(BaseModelOutputWithPooling):
             patch-to-patch block is exactly zero. It is the map the outputs were computed from.
         core_coordinates (`torch.FloatTensor` of shape `(batch_size, num_core_tokens, 2)`):
             Where the active cores sat in the last block, as `(x, y)` in `[-1, 1]^2`.
+        all_core_coordinates (`tuple(torch.FloatTensor)`, *optional*):
+            With `output_core_coordinates=True`: per block, the `(batch_size, num_core_tokens, 2)` positions `(x, y)`
+            in `[-1, 1]^2` (after `tanh`) that its RoPE rotated the cores by. Block 1's are the bank's (the same for
+            every image); the last equals `core_coordinates`.
+        patch_mask (`torch.BoolTensor` of shape `(batch_size, num_patches)`, *optional*):
+            Only when `pixel_mask` was passed: `True` for the patches of each image, `False` for padding, in the
+            row-major order of the padded grid (the order of `last_hidden_state[:, num_core_tokens:]`). Image `i`'s
+            own `hp x wp` patch grid is `last_hidden_state[i, num_core_tokens:][patch_mask[i]].reshape(hp, wp, -1)`.
+            The outputs at padded patches are finite but meaningless.
     """
 
     core_coordinates: torch.FloatTensor | None = None
+    all_core_coordinates: tuple[torch.FloatTensor, ...] | None = None
+    patch_mask: torch.BoolTensor | None = None
 
 
-@compile_compatible_method_lru_cache(maxsize=32)
-def get_patch_coordinates(
-    num_patches_h: int, num_patches_w: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Centres of an `Hp x Wp` patch grid as `(x, y)` in `[-1, 1]^2`, row-major: `(N, 2)`."""
-    y = (torch.arange(num_patches_h, dtype=dtype, device=device) + 0.5) / num_patches_h * 2 - 1
-    x = (torch.arange(num_patches_w, dtype=dtype, device=device) + 0.5) / num_patches_w * 2 - 1
-    grid_y, grid_x = torch.meshgrid(y, x, indexing="ij")  # (Hp, Wp) each
-    return torch.stack([grid_x, grid_y], dim=-1).flatten(0, 1)  # (N, 2)
+def gathered_for_init(module: nn.Module) -> contextlib.AbstractContextManager:
+    """Context in which `module`'s own parameters are whole, for `_init_weights` to write them.
 
-
-def augment_patch_coordinates(
-    coords: torch.Tensor, shift: float | None, jitter: float | None, rescale: float | None
-) -> torch.Tensor:
-    """DINOv3's train-time RoPE augmentation, one draw per call shared by the whole batch: `(N, 2) -> (N, 2)`."""
-    if shift is not None:
-        coords = coords + torch.empty(2, dtype=coords.dtype, device=coords.device).uniform_(-shift, shift)
-    if jitter is not None:
-        log_jitter = math.log(jitter)
-        coords = coords * torch.empty(2, dtype=coords.dtype, device=coords.device).uniform_(-log_jitter, log_jitter).exp()
-    if rescale is not None:
-        log_rescale = math.log(rescale)
-        coords = coords * torch.empty(1, dtype=coords.dtype, device=coords.device).uniform_(-log_rescale, log_rescale).exp()
-    return coords
-
-
-def farthest_point_core_coordinates(
-    num_cores: int, num_candidates: int, init_range: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Initial raw core coordinates `rho`: `(M, 2)` (spec section 2).
-
-    Farthest-point sampling over uniform candidates, starting from the one nearest the origin, so every prefix of
-    the bank (every budget) covers the image evenly and core 1 starts near the centre.
+    NOTE: under DeepSpeed ZeRO-3 (`deepspeed.zero.Init`) each rank holds only a slice of every parameter; writing the
+    initial core coordinates into a slice fails. Gather the partitioned ones, let rank 0 write and broadcast (so all
+    ranks agree), partition again on exit. Anywhere else (and for parameters already gathered, as `from_pretrained`
+    does for missing weights) this is a no-op; deepspeed is imported only when it partitioned the parameters.
     """
-    candidates = (torch.rand(num_candidates, 2, generator=generator) * 2 - 1) * init_range  # (P, 2)
-    chosen = [int(candidates.norm(dim=-1).argmin())]
-    distance = (candidates - candidates[chosen[0]]).norm(dim=-1)  # (P,) distance to the chosen set
-    for _ in range(num_cores - 1):
-        chosen.append(int(distance.argmax()))
-        distance = torch.minimum(distance, (candidates - candidates[chosen[-1]]).norm(dim=-1))
-    return torch.atanh(candidates[chosen].clamp(-0.999, 0.999))
+    partitioned = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    partitioned = [p for p in partitioned if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if not partitioned:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
 
 
-def rope_inv_freq(config: VecaConfig) -> torch.Tensor:
-    """RoPE inverse periods `(Hd / 4,)`: DINOv3's `1 / theta^(4f / Hd)`, the longest periods zeroed (not rotated)."""
-    head_dim = config.hidden_size // config.num_attention_heads
-    inv_freq = 1.0 / config.rope_theta ** torch.arange(0, 1, 4 / head_dim, dtype=torch.float32)  # (Hd/4,)
-    num_zeroed = round(config.rope_zero_frequency_ratio * inv_freq.numel())
-    if num_zeroed > 0:
-        inv_freq[-num_zeroed:] = 0.0
-    return inv_freq
+class VecaPatchEmbeddings(nn.Conv2d):
+    """The patch embedding: a `Conv2d` with stride = kernel = `p`, run as one GEMM: `(B, 3, H, W) -> (B, N, D)`.
 
-
-class VecaRopePositionEmbedding(nn.Module):
-    """2D axial RoPE of any `(x, y)` positions, DINOv3 style.
-
-    Channel layout of the returned `(..., Hd)` cos/sin, for HF's half-split `rotate_half` (channel `i` rotates with
-    channel `i + Hd/2`)::
-
-        [ x f_0 .. x f_{Hd/4-1} | y f_0 .. y f_{Hd/4-1} | x f_0 .. x f_{Hd/4-1} | y f_0 .. y f_{Hd/4-1} ]
-
-    The reference code rotates interleaved pairs `(2m, 2m+1)` instead; conversion permutes the q/k projection rows
-    so that both give identical attention.
+    NOTE: such a convolution is a linear map of the flattened patches; as `F.linear` it ran ~1.5x faster than
+    oneDNN's convolution on CPU at 1024 px. It stays a `Conv2d` (same weights, same state-dict keys) and the GEMM
+    runs in its own `forward`, so module hooks (Accelerate offloading, DeepSpeed ZeRO-3) see every use of the weight.
     """
 
-    inv_freq: torch.Tensor
+    def __init__(self, config: VecaConfig):
+        patch_size = config.patch_size
+        super().__init__(config.num_channels, config.hidden_size, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        batch_size, num_channels, height, width = pixel_values.shape
+        patch_size = self.kernel_size[0]
+        rows, cols = height // patch_size, width // patch_size
+        patches = pixel_values.reshape(batch_size, num_channels, rows, patch_size, cols, patch_size)
+        patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch_size, rows * cols, -1)  # (B, N, 3 p p), row-major
+        return nn.functional.linear(patches, self.weight.flatten(1), self.bias)  # (B, N, D)
+
+
+class VecaCoreBank(nn.ParameterList):
+    """Chunks of equal shape `(chunk, width)`; called with a budget `C` (a multiple of `chunk`), returns the first `C`
+    rows `(C, width)`."""
+
+    # NOTE: a ParameterList refuses to be called; a call (rather than reading its items from outside) runs module
+    # hooks, which Accelerate's offloading and DeepSpeed ZeRO-3 need to bring the weights in.
+    __call__ = nn.Module.__call__
+
+    def forward(self, num_core_tokens: int) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            # NOTE: only the active chunks enter the autograd graph, so the others get `grad = None` and no gradient
+            # hook: optimisers (AdamW momentum and weight decay included), DDP and DeepSpeed skip them, as in the
+            # reference. With one (M, D) parameter sliced to C rows they would get zeros and AdamW would move them.
+            chunks = list(self)
+            return torch.cat(chunks[: num_core_tokens // chunks[0].shape[0]], dim=0)  # (C, width)
+        # NOTE: without autograd, a slice by the budget keeps one torch.compile graph for every budget.
+        return torch.cat(list(self), dim=0)[:num_core_tokens]  # (C, width)
+
+
+class VecaCoreTokens(VecaCoreBank):
+    """The core embeddings, `M / chunk` parameters of shape `(chunk, D)`."""
+
+
+class VecaCoreCoordinates(VecaCoreBank):
+    """The raw core coordinates `rho` as `(x, y)`, `M / chunk` parameters of shape `(chunk, 2)`."""
+
+
+class VecaEmbeddings(nn.Module):
+    """Patch embedding plus the core bank: `M` core embeddings and raw coordinates `rho`, in chunks."""
 
     def __init__(self, config: VecaConfig):
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        num_chunks = config.num_core_tokens // config.core_chunk_size
+        self.patch_embeddings = VecaPatchEmbeddings(config)
+        self.core_tokens = VecaCoreTokens(
+            [nn.Parameter(torch.empty(config.core_chunk_size, config.hidden_size)) for _ in range(num_chunks)]
+        )
+        self.core_coordinates = VecaCoreCoordinates(
+            [nn.Parameter(torch.empty(config.core_chunk_size, 2)) for _ in range(num_chunks)]
+        )
 
-    def forward(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # (..., 2) -> (..., 2, Hd/4) -> (..., Hd/2) -> (..., Hd)
-        angles = 2 * math.pi * coords.float()[..., None] * self.inv_freq
-        angles = angles.flatten(-2).tile(2)
-        return angles.cos(), angles.sin()
-
-
-def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` for `x (..., L, Hd)` and cos/sin that broadcast to it.
-
-    NOTE: computed as one product and two in-place half updates instead of `rotate_half`'s negation and concatenation:
-    one allocation instead of four, about twice as fast on CPU at high resolution, and autograd-safe.
-    """
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = x * cos
-    rotated[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
-    rotated[..., half:].addcmul_(x[..., :half], sin[..., half:])
-    return rotated
-
-
-# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are mapped fresh on every call.
-FRESH_MMAP_BYTES = 32 * 2**20
-
-
-def linear_into_workspace(
-    linear: nn.Module, hidden_states: torch.Tensor, workspace: dict[str, torch.Tensor] | None, name: str
-) -> torch.Tensor:
-    """`linear(hidden_states)`, written into `workspace[name]`: allocated by the first block, reused by the others.
-
-    NOTE: glibc serves every CPU tensor above 32 MiB with a fresh mmap that the kernel maps in 4 KiB pages on first
-    touch. At 1024 px the fused qkv (38 MB) and SwiGLU input (68 MB) outputs of VECA-B cost ~200k such faults per
-    forward, ~6% of its time, which one buffer shared by the blocks avoids. Smaller outputs come from glibc's free
-    lists, which hand back recently freed (cache-warm) memory: a shared buffer was slower there (512 px). Only a
-    plain `nn.Linear` without hooks is bypassed: adapters (PEFT) and quantised layers keep their own forward.
-    Without autograd only (a reused buffer would overwrite what backward needs).
-    """
-    shape = (*hidden_states.shape[:-1], linear.out_features)
-    bypass = type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
-    large = math.prod(shape) * hidden_states.element_size() > FRESH_MMAP_BYTES
-    if workspace is None or not (bypass and large) or torch.is_grad_enabled():
-        return linear(hidden_states)
-    buffer = workspace.get(name)
-    if buffer is None or buffer.shape != shape or buffer.dtype != hidden_states.dtype:
-        buffer = workspace[name] = hidden_states.new_empty(shape)
-    inputs, outputs = hidden_states.reshape(-1, hidden_states.shape[-1]), buffer.view(-1, linear.out_features)
-    if linear.bias is None:
-        torch.mm(inputs, linear.weight.t(), out=outputs)
-    else:
-        torch.addmm(linear.bias, inputs, linear.weight.t(), out=outputs)
-    return buffer
+    def forward(self, pixel_values: torch.Tensor, num_core_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size = pixel_values.shape[0]
+        patches = self.patch_embeddings(pixel_values)  # (B, N, D)
+        cores = self.core_tokens(num_core_tokens)  # (C, D)
+        core_coordinates = self.core_coordinates(num_core_tokens)  # (C, 2)
+        embeddings = torch.cat((cores.expand(batch_size, -1, -1), patches), dim=1)  # (B, T, D)
+        return embeddings, core_coordinates.unsqueeze(0)  # (B, T, D), (1, C, 2)
 
 
 def eager_attention_forward(
@@ -217,7 +213,7 @@ def eager_attention_forward(
 
 class VecaCorePeripheryAttention(nn.Module):
     """Multi-head core-periphery attention: two attention calls, straight to `scaled_dot_product_attention` for
-    `"sdpa"` and through transformers' attention interface for every other implementation.
+    `"sdpa"` and to `eager_attention_forward` for `"eager"` (the only two implementations VECA supports).
 
     Call 1 lets the `C` cores attend to all `C + N` tokens, call 2 lets the `N` patches attend to the cores only.
     No `(C + N)^2` score matrix is built, except for `output_attentions=True`, where the output is computed from
@@ -241,38 +237,44 @@ class VecaCorePeripheryAttention(nn.Module):
         core_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         patch_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         output_attentions: bool = False,
-        workspace: dict[str, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attention_mask`, additive `(B, 1, 1, T)`, applies to the cores' call only (it masks padded patches as
+        keys); the patches' call has the cores as keys, which are never masked, so no row is ever fully masked."""
         batch_size, num_tokens, _ = hidden_states.shape  # (B, T, D)
         num_cores = core_position_embeddings[0].shape[-2]
 
-        qkv = linear_into_workspace(self.qkv_proj, hidden_states, workspace, "qkv")  # (B, T, 3 D)
+        qkv = self.qkv_proj(hidden_states)  # (B, T, 3 D)
         qkv = qkv.view(batch_size, num_tokens, 3, self.num_heads, self.head_dim)
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, T, Hd)
 
         # RoPE on q and k at once: cores rotate by their own (per-image, per-layer) positions, patches by the grid.
         (core_cos, core_sin), (patch_cos, patch_sin) = core_position_embeddings, patch_position_embeddings
         rows = core_cos.shape[0]  # 1 before the first coordinate update, else B
+        if patch_cos.ndim == 3:  # per-image patch positions (padded batch of different sizes): (B, N, Hd)
+            rows = max(rows, patch_cos.shape[0])
+            core_cos, core_sin = core_cos.expand(rows, -1, -1), core_sin.expand(rows, -1, -1)
         cos = torch.cat((core_cos, patch_cos.expand(rows, -1, -1)), dim=1).unsqueeze(1)  # (B or 1, 1, T, Hd)
         sin = torch.cat((core_sin, patch_sin.expand(rows, -1, -1)), dim=1).unsqueeze(1)
         query, key = apply_rotary_pos_emb(qkv[:2], cos, sin).unbind(0)  # (B, H, T, Hd) each
         value = qkv[2]  # (B, H, T, Hd)
-        query_cores, query_patches = query[:, :, :num_cores], query[:, :, num_cores:]
 
-        if output_attentions:
-            attn_output, attn_weights = self._block_sparse_attention(query_cores, query_patches, key, value)
-        elif self.config._attn_implementation == "sdpa":
-            attn_output, attn_weights = self._sdpa_attention(query_cores, query_patches, key, value), None
+        if output_attentions or self.config._attn_implementation == "sdpa":
+            attn_output, attn_weights = self._direct_attention(
+                query, key, value, num_cores, attention_mask, output_attentions
+            )  # (B, T, H, Hd), (B, H, T, T) or None
         else:
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            # NOTE: resolves to `eager_attention_forward` ("eager" is the only other implementation VECA accepts); the
+            # lookup is also how transformers recognises that `set_attn_implementation` can switch this model.
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
             core_output, _ = attention_interface(
-                self, query_cores, key, value, None, scaling=self.scaling, dropout=0.0
+                self, query[:, :, :num_cores], key, value, attention_mask, scaling=self.scaling
             )  # (B, C, H, Hd)
+            core_keys, core_values = key[:, :, :num_cores], value[:, :, :num_cores]  # (B, H, C, Hd)
             patch_output, _ = attention_interface(
-                self, query_patches, key[:, :, :num_cores], value[:, :, :num_cores], None, scaling=self.scaling,
-                dropout=0.0,
+                self, query[:, :, num_cores:], core_keys, core_values, None, scaling=self.scaling
             )  # (B, N, H, Hd)
             attn_output = torch.cat((core_output, patch_output), dim=1)  # (B, T, H, Hd)
             attn_weights = None
@@ -280,40 +282,44 @@ class VecaCorePeripheryAttention(nn.Module):
         attn_output = self.o_proj(attn_output.reshape(batch_size, num_tokens, -1))  # (B, T, D)
         return attn_output, attn_weights
 
-    def _sdpa_attention(
-        self, query_cores: torch.Tensor, query_patches: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> torch.Tensor:
-        """Both calls straight to `scaled_dot_product_attention` (no mask, never causal), written into one
-        `(B, T, H, Hd)` buffer.
+    def _direct_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        num_cores: int,
+        attention_mask: torch.Tensor | None,
+        output_attentions: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Both calls computed here, without the attention registry: `(B, H, T, Hd)` each -> `(B, T, H, Hd)`.
+
+        Straight to `scaled_dot_product_attention` (never causal; a mask only on the cores' call, and only for padded
+        batches), written into one `(B, T, H, Hd)` buffer. With `output_attentions`, the same two softmaxes instead,
+        assembled into the full `(B, H, T, T)` map that the output is then computed from (and returned with it).
 
         NOTE: the generic SDPA integration makes each output contiguous and the two are then concatenated (two
         copies instead of one), and its causal test on the query length fails under `torch.compile(dynamic=True)`.
         """
-        num_cores = query_cores.shape[2]
         batch_size, num_heads, num_tokens, head_dim = key.shape
-        sdpa = nn.functional.scaled_dot_product_attention
+        query_cores, query_patches = query[:, :, :num_cores], query[:, :, num_cores:]  # (B, H, C, Hd), (B, H, N, Hd)
         core_keys, core_values = key[:, :, :num_cores], value[:, :, :num_cores]  # (B, H, C, Hd)
-        core_output = sdpa(query_cores, key, value, scale=self.scaling)  # (B, H, C, Hd)
+        if output_attentions:
+            core_scores = torch.matmul(query_cores, key.transpose(2, 3)) * self.scaling  # (B, H, C, T)
+            if attention_mask is not None:
+                core_scores = core_scores + attention_mask  # padded patches: exactly zero probability
+            patch_scores = torch.matmul(query_patches, core_keys.transpose(2, 3)) * self.scaling  # (B, H, N, C)
+            core_probs = core_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+            patch_probs = patch_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+            patch_probs = nn.functional.pad(patch_probs, (0, num_tokens - num_cores))  # (B, H, N, T), 0 patch -> patch
+            attn_weights = torch.cat((core_probs, patch_probs), dim=2)  # (B, H, T, T)
+            return torch.matmul(attn_weights, value).transpose(1, 2), attn_weights  # (B, T, H, Hd)
+        sdpa = nn.functional.scaled_dot_product_attention
+        core_output = sdpa(query_cores, key, value, attn_mask=attention_mask, scale=self.scaling)  # (B, H, C, Hd)
         patch_output = sdpa(query_patches, core_keys, core_values, scale=self.scaling)  # (B, H, N, Hd)
-        attn_output = query_cores.new_empty(batch_size, num_tokens, num_heads, head_dim)
+        attn_output = query.new_empty(batch_size, num_tokens, num_heads, head_dim)
         attn_output[:, :num_cores] = core_output.transpose(1, 2)
         attn_output[:, num_cores:] = patch_output.transpose(1, 2)
-        return attn_output  # (B, T, H, Hd)
-
-    def _block_sparse_attention(
-        self, query_cores: torch.Tensor, query_patches: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same two softmaxes, assembled into the full `(B, H, T, T)` map that the output is then computed from."""
-        num_cores = query_cores.shape[2]
-        num_patches = query_patches.shape[2]
-        core_scores = torch.matmul(query_cores, key.transpose(2, 3)) * self.scaling  # (B, H, C, T)
-        patch_scores = torch.matmul(query_patches, key[:, :, :num_cores].transpose(2, 3)) * self.scaling  # (B, H, N, C)
-        core_probs = core_scores.softmax(dim=-1, dtype=torch.float32).to(query_cores.dtype)
-        patch_probs = patch_scores.softmax(dim=-1, dtype=torch.float32).to(query_cores.dtype)
-        patch_probs = nn.functional.pad(patch_probs, (0, num_patches))  # (B, H, N, T), exact zeros patch -> patch
-        attn_weights = torch.cat((core_probs, patch_probs), dim=2)  # (B, H, T, T)
-        attn_output = torch.matmul(attn_weights, value).transpose(1, 2)  # (B, T, H, Hd)
-        return attn_output, attn_weights
+        return attn_output, None
 
 
 class VecaSwiGLUMLP(nn.Module):
@@ -324,20 +330,10 @@ class VecaSwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
         self.act_fn = ACT2FN[config.hidden_act]
-        self.hidden_act = config.hidden_act
 
-    def forward(self, hidden_states: torch.Tensor, workspace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (B, T, I) each
-            return self.down_proj(self.act_fn(gate) * up)
-        gate, up = linear_into_workspace(self.gate_up_proj, hidden_states, workspace, "gate_up").chunk(2, dim=-1)
-        # NOTE: without autograd, activate and gate inside the projection's output: no fresh (B, T, I) buffer, whose
-        # first touch alone costs ~8k page faults per block at 1024 px on CPU.
-        if self.hidden_act == "silu":
-            activated = nn.functional.silu(gate, inplace=True)
-        else:
-            activated = self.act_fn(gate)
-        return self.down_proj(activated.mul_(up))
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # (B, T, I) each
+        return self.down_proj(self.act_fn(gate) * up)  # (B, T, D)
 
 
 class VecaLayer(GradientCheckpointingLayer):
@@ -358,16 +354,14 @@ class VecaLayer(GradientCheckpointingLayer):
         patch_cos: torch.Tensor,
         patch_sin: torch.Tensor,
         output_attentions: bool = False,
-        workspace: dict[str, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # NOTE: cos/sin travel as separate tensors: re-entrant checkpointing loses gradients through tuples.
         attn_output, attn_weights = self.attention(
-            self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), output_attentions, workspace
+            self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), output_attentions, attention_mask
         )
-        # NOTE: residuals added into the fresh branch outputs (an addition needs no saved inputs for backward);
-        # the incoming hidden_states are never modified, so returned hidden states stay intact.
-        hidden_states = attn_output.add_(hidden_states)
-        hidden_states = self.mlp(self.norm2(hidden_states), workspace).add_(hidden_states)
+        hidden_states = hidden_states + attn_output  # (B, T, D)
+        hidden_states = hidden_states + self.mlp(self.norm2(hidden_states))
         return hidden_states, attn_weights
 
 
@@ -385,64 +379,6 @@ class VecaCoreCoordinateHead(nn.Module):
         return core_coordinates + self.step * self.proj(core_hidden_states)
 
 
-class VecaCoreTokens(nn.ParameterList):
-    """The core embeddings, `M / chunk` parameters of shape `(chunk, D)`."""
-
-
-class VecaCoreCoordinates(nn.ParameterList):
-    """The raw core coordinates `rho` as `(x, y)`, `M / chunk` parameters of shape `(chunk, 2)`."""
-
-
-class VecaEmbeddings(nn.Module):
-    """Patch embedding plus the core bank: `M` core embeddings and raw coordinates `rho`, in chunks.
-
-    NOTE: the bank is stored as one parameter per chunk so that a step at budget `C` leaves the unused chunks
-    without gradients, and optimisers (AdamW momentum and weight decay included) skip them, as in the reference.
-    """
-
-    def __init__(self, config: VecaConfig):
-        super().__init__()
-        self.config = config
-        num_chunks = config.num_core_tokens // config.core_chunk_size
-        self.patch_embeddings = nn.Conv2d(
-            config.num_channels, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size
-        )
-        self.core_tokens = VecaCoreTokens(
-            [nn.Parameter(torch.empty(config.core_chunk_size, config.hidden_size)) for _ in range(num_chunks)]
-        )
-        self.core_coordinates = VecaCoreCoordinates(
-            [nn.Parameter(torch.empty(config.core_chunk_size, 2)) for _ in range(num_chunks)]
-        )
-
-    def embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """`(B, 3, H, W)` -> `(B, N, D)`, row-major patches: the `patch_embeddings` convolution, run as one GEMM.
-
-        NOTE: a convolution whose stride equals its kernel is a linear map of the flattened patches; as `F.linear`
-        it ran ~1.5x faster than oneDNN's convolution on CPU at 1024 px. The weights stay a `Conv2d` (same checkpoints).
-        """
-        batch_size, num_channels, height, width = pixel_values.shape
-        patch_size = self.config.patch_size
-        rows, cols = height // patch_size, width // patch_size
-        patches = pixel_values.reshape(batch_size, num_channels, rows, patch_size, cols, patch_size)
-        patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch_size, rows * cols, -1)  # (B, N, 3 p p)
-        return nn.functional.linear(patches, self.patch_embeddings.weight.flatten(1), self.patch_embeddings.bias)
-
-    def forward(self, pixel_values: torch.Tensor, num_core_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        batch_size = pixel_values.shape[0]
-        patches = self.embed_patches(pixel_values)  # (B, N, D)
-        if torch.is_grad_enabled():
-            num_chunks = num_core_tokens // self.config.core_chunk_size
-            # Only the active chunks enter the graph: the others get no gradient, so optimisers skip them.
-            cores = torch.cat(list(self.core_tokens[:num_chunks]), dim=0)  # (C, D)
-            core_coordinates = torch.cat(list(self.core_coordinates[:num_chunks]), dim=0)  # (C, 2)
-        else:
-            # NOTE: a slice by the budget (not a list of chunks) keeps one torch.compile graph for every budget.
-            cores = torch.cat(list(self.core_tokens), dim=0)[:num_core_tokens]  # (C, D)
-            core_coordinates = torch.cat(list(self.core_coordinates), dim=0)[:num_core_tokens]  # (C, 2)
-        embeddings = torch.cat((cores.expand(batch_size, -1, -1), patches), dim=1)  # (B, T, D)
-        return embeddings, core_coordinates.unsqueeze(0)  # (B, T, D), (1, C, 2)
-
-
 class VecaPreTrainedModel(PreTrainedModel):
     config: VecaConfig
     config_class = VecaConfig
@@ -451,8 +387,18 @@ class VecaPreTrainedModel(PreTrainedModel):
     input_modalities = ("image",)
     supports_gradient_checkpointing = True
     _no_split_modules = ["VecaEmbeddings", "VecaLayer"]
-    _supports_sdpa = True
+    _supports_sdpa = True  # and eager; nothing else (see `get_correct_attn_implementation`)
     _can_compile_fullgraph = True
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """Same as [`PreTrainedModel.get_correct_attn_implementation`], but only `"eager"` and `"sdpa"` are accepted."""
+        attn_implementation = super().get_correct_attn_implementation(requested_attention, is_init_check)
+        if attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                f'attn_implementation="{attn_implementation}" is not supported by VECA: use "sdpa" (the default) or '
+                '"eager" (needed for nothing but debugging; `output_attentions=True` works with both).'
+            )
+        return attn_implementation
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Same as [`PreTrainedModel.save_pretrained`], plus the code and an `auto_map` for `trust_remote_code`."""
@@ -460,7 +406,12 @@ class VecaPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
-        """Spec section 2. Every parameter and non-persistent buffer is set here (`from_pretrained` builds on meta)."""
+        """Every parameter and non-persistent buffer is set here (`from_pretrained` builds on meta)."""
+        with gathered_for_init(module):
+            self._init_module(module)
+
+    def _init_module(self, module: nn.Module) -> None:
+        """The initialisation of arXiv 2605.12491 (docs/architecture.md): truncated normal weights, zero biases."""
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             init.trunc_normal_(module.weight, mean=0.0, std=std)
@@ -504,38 +455,36 @@ class VecaEncoder(nn.Module):
         rope_embeddings: VecaRopePositionEmbedding,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple | None]:
+        output_core_coordinates: bool = False,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple | None, tuple | None]:
+        """Returns the last block's output `(B, T, D)`, its core positions `tanh(rho)` `(B or 1, C, 2)`, and the
+        per-block hidden states, attention maps and core positions that were asked for. `attention_mask` (additive,
+        `(B, 1, 1, T)`) hides padded patches from the cores' call of every block."""
         num_cores = core_coordinates.shape[1]
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        # Without autograd on CPU the blocks share their largest projection outputs (see `linear_into_workspace`);
-        # autograd keeps them for backward, the CUDA caching allocator already reuses memory, and autocast,
-        # torch.compile and torch.export handle the plain `nn.Linear` call better.
-        reuse_buffers = (
-            not torch.is_grad_enabled()
-            and hidden_states.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling()
-            and not torch.compiler.is_exporting()
-        )
-        workspace = {} if reuse_buffers else None
+        all_core_positions = () if output_core_coordinates else None
         for index, layer in enumerate(self.layer):
             if index > 0:
                 core_coordinates = self.core_coordinate_heads[index - 1](hidden_states[:, :num_cores], core_coordinates)
-            core_cos, core_sin = rope_embeddings(torch.tanh(core_coordinates))  # (B or 1, C, Hd)
+            core_positions = torch.tanh(core_coordinates)  # (B or 1, C, 2), in [-1, 1]
+            core_cos, core_sin = rope_embeddings(core_positions)  # (B or 1, C, Hd) each
             hidden_states, attn_weights = layer(
                 hidden_states,
                 core_cos,
                 core_sin,
                 *patch_position_embeddings,
                 output_attentions=output_attentions,
-                workspace=workspace,
+                attention_mask=attention_mask,
             )
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
             if output_attentions:
                 all_attentions += (attn_weights,)
-        return hidden_states, core_coordinates, all_hidden_states, all_attentions
+            if output_core_coordinates:
+                all_core_positions += (core_positions.expand(hidden_states.shape[0], -1, -1),)
+        return hidden_states, core_positions, all_hidden_states, all_attentions, all_core_positions
 
 
 class VecaModel(VecaPreTrainedModel):
@@ -556,8 +505,11 @@ class VecaModel(VecaPreTrainedModel):
         """The budget for this call: the argument, else `config.default_num_core_tokens`, else the whole bank."""
         if num_core_tokens is None:
             num_core_tokens = self.config.default_num_core_tokens or self.config.num_core_tokens
+        # NOTE: only an integer tensor becomes an int: `int()` would truncate 8.5 (or turn True into 1) silently.
         if isinstance(num_core_tokens, torch.Tensor) and num_core_tokens.numel() == 1:
-            num_core_tokens = int(num_core_tokens)
+            dtype = num_core_tokens.dtype
+            if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+                num_core_tokens = int(num_core_tokens)
         return self.config.check_budget(num_core_tokens)
 
     def _check_pixel_values(self, pixel_values: torch.Tensor) -> None:
@@ -567,7 +519,11 @@ class VecaModel(VecaPreTrainedModel):
                 f"pixel_values must be a tensor of shape (batch, {self.config.num_channels}, height, width), got "
                 f"{shape}. Use the image processor (AutoImageProcessor) to turn images into pixel_values."
             )
-        _, num_channels, height, width = pixel_values.shape
+        batch_size, num_channels, height, width = pixel_values.shape
+        if batch_size == 0:
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} holds no images: the batch size must be >= 1.")
+        if pixel_values.is_complex():
+            raise ValueError(f"pixel_values has dtype {pixel_values.dtype}: pass real (float) pixel values.")
         if num_channels != self.config.num_channels:
             raise ValueError(
                 f"pixel_values has {num_channels} channels but the model expects config.num_channels="
@@ -587,8 +543,9 @@ class VecaModel(VecaPreTrainedModel):
         num_core_tokens: int | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_core_coordinates: bool = False,
         return_dict: bool | None = None,
-        **kwargs,
+        pixel_mask: torch.Tensor | None = None,
     ) -> VecaModelOutput | tuple:
         r"""
         Args:
@@ -603,8 +560,16 @@ class VecaModel(VecaPreTrainedModel):
                 (whatever the attention implementation) and computes the output from it.
             output_hidden_states (`bool`, *optional*):
                 Return the embeddings and every block's output.
+            output_core_coordinates (`bool`, *optional*, defaults to `False`):
+                Return `all_core_coordinates`: per block, where its RoPE placed the cores.
             return_dict (`bool`, *optional*):
-                Return a [`VecaModelOutput`] instead of a plain tuple.
+                Return a [`VecaModelOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
+            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
+                For a batch of images of different sizes padded to one size (the image processor's `do_pad=True`):
+                1 for real pixels, 0 for padding, padded on patch boundaries. Padded patches are hidden from the
+                cores, and each image's patches get the RoPE positions of its own grid, so every image's cores and
+                patches equal those of a forward of that image alone (eval mode; up to float rounding). The output
+                then carries `patch_mask`. Without it (or with no padding at all) nothing is masked.
         """
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
@@ -619,22 +584,35 @@ class VecaModel(VecaPreTrainedModel):
         hidden_states, core_coordinates = self.embeddings(pixel_values, num_core_tokens)  # (B, T, D), (1, C, 2)
 
         patch_size = self.config.patch_size
-        patch_coordinates = get_patch_coordinates(
-            height // patch_size, width // patch_size, dtype=torch.float32, device=pixel_values.device
-        )  # (N, 2)
+        patch_mask, attention_mask = None, None
+        if pixel_mask is not None:
+            patch_mask = get_patch_mask(pixel_mask.to(pixel_values.device), pixel_values.shape, patch_size)
+        # NOTE: a batch without padding (e.g. images of one size) takes the unmasked path below, exactly as without
+        # `pixel_mask`; only real padding costs a mask and per-image positions.
+        if patch_mask is not None and not bool(patch_mask.all()):
+            patch_coordinates = get_padded_patch_coordinates(patch_mask, dtype=torch.float32)  # (B, N, 2)
+            padded = ~torch.cat((patch_mask.new_ones(batch_size, num_core_tokens), patch_mask.flatten(1)), dim=1)
+            attention_mask = torch.zeros(padded.shape, dtype=pixel_values.dtype, device=pixel_values.device)
+            attention_mask = attention_mask.masked_fill(padded, torch.finfo(pixel_values.dtype).min)[:, None, None]
+        else:
+            patch_coordinates = get_patch_coordinates(
+                height // patch_size, width // patch_size, dtype=torch.float32, device=pixel_values.device
+            )  # (N, 2)
         if self.training:
             patch_coordinates = augment_patch_coordinates(
                 patch_coordinates, self.config.pos_embed_shift, self.config.pos_embed_jitter, self.config.pos_embed_rescale
             )
-        patch_position_embeddings = self.rope_embeddings(patch_coordinates)  # (N, Hd) each
+        patch_position_embeddings = self.rope_embeddings(patch_coordinates)  # (N, Hd) or (B, N, Hd) each
 
-        hidden_states, core_coordinates, all_hidden_states, all_attentions = self.encoder(
+        hidden_states, core_positions, all_hidden_states, all_attentions, all_core_positions = self.encoder(
             hidden_states,
             core_coordinates,
             patch_position_embeddings,
             self.rope_embeddings,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            output_core_coordinates=output_core_coordinates,
+            attention_mask=attention_mask,  # (B, 1, 1, T): 0, or the dtype's minimum at padded patches
         )
         sequence_output = self.norm(hidden_states)  # (B, T, D)
         output = VecaModelOutput(
@@ -642,13 +620,18 @@ class VecaModel(VecaPreTrainedModel):
             pooler_output=sequence_output[:, 0],
             hidden_states=all_hidden_states,
             attentions=all_attentions,
-            core_coordinates=torch.tanh(core_coordinates).expand(batch_size, -1, -1),
+            core_coordinates=core_positions.expand(batch_size, -1, -1),
+            all_core_coordinates=all_core_positions,
+            patch_mask=patch_mask.flatten(1) if patch_mask is not None else None,  # (B, N)
         )
         return output if return_dict else output.to_tuple()
 
 
 class VecaForImageClassification(VecaPreTrainedModel):
     """VECA with a linear classifier on the global core (the first core after the final norm), the paper's probe."""
+
+    # NOTE: tells `Trainer` to pass `num_items_in_batch` (it otherwise looks for `**kwargs`, which VECA does not take).
+    accepts_loss_kwargs = True
 
     def __init__(self, config: VecaConfig):
         super().__init__(config)
@@ -664,8 +647,9 @@ class VecaForImageClassification(VecaPreTrainedModel):
         num_core_tokens: int | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         return_dict: bool | None = None,
-        **kwargs,
+        pixel_mask: torch.Tensor | None = None,
     ) -> ImageClassifierOutput | tuple:
         r"""
         Args:
@@ -675,6 +659,15 @@ class VecaForImageClassification(VecaPreTrainedModel):
                 Class indices (or regression targets when `config.num_labels == 1`) for the loss.
             num_core_tokens (`int`, *optional*):
                 The budget `C`; see [`VecaModel.forward`].
+            output_attentions, output_hidden_states (`bool`, *optional*):
+                See [`VecaModel.forward`].
+            num_items_in_batch (`torch.Tensor` or `int`, *optional*):
+                Labels in the whole (accumulated) batch; the loss is summed and divided by it (`Trainer` passes it).
+            return_dict (`bool`, *optional*):
+                Return an [`ImageClassifierOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
+            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
+                For a padded batch of images of different sizes; see [`VecaModel.forward`]. Each image's logits equal
+                those of that image alone.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.veca(
@@ -683,9 +676,12 @@ class VecaForImageClassification(VecaPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            pixel_mask=pixel_mask,
         )
         logits = self.classifier(outputs.pooler_output)  # (B, num_labels)
-        loss = self.loss_function(labels, logits, self.config, **kwargs) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels, logits, self.config, num_items_in_batch=num_items_in_batch)
         output = ImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
@@ -693,10 +689,18 @@ class VecaForImageClassification(VecaPreTrainedModel):
 
 
 class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
-    """VECA as an `AutoBackbone`: patch feature maps `(B, D, H/p, W/p)` of the stages in `config.out_features`.
+    """VECA as an `AutoBackbone`: one feature map per stage in `config.out_features`.
 
     Stage `"stem"` is the patch embedding, `"stage{l}"` the output of block `l`. With `config.apply_layernorm` every
-    map goes through the final LayerNorm (the last stage always does, as in [`VecaModel`]).
+    map goes through the final LayerNorm (the last stage always does, as in [`VecaModel`]). Two layouts, as
+    `Dinov2Backbone` has them:
+
+    - `config.reshape_hidden_states=True`: patch maps `(B, D, H/p, W/p)`, for convolutional heads such as UperNet.
+    - `config.reshape_hidden_states=False`: token sequences `(B, 1 + N, D)`, the global core (core 1, the
+      `pooler_output` of [`VecaModel`]) followed by the patches in row-major order. This is the ViT layout with one
+      CLS token that the necks of Depth Anything and DPT read (DPT's readout uses the prefix token).
+
+    Heads call the backbone without `num_core_tokens`, so their budget is `config.default_num_core_tokens`.
     """
 
     def __init__(self, config: VecaConfig):
@@ -715,7 +719,6 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs,
     ) -> BackboneOutput | tuple:
         r"""
         Args:
@@ -723,6 +726,10 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
                 Normalised images; height and width any multiples of `config.patch_size`.
             num_core_tokens (`int`, *optional*):
                 The budget `C`; see [`VecaModel.forward`].
+            output_hidden_states, output_attentions (`bool`, *optional*):
+                Also return every stage's tokens, or the attention maps; see [`VecaModel.forward`].
+            return_dict (`bool`, *optional*):
+                Return a [`BackboneOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         output_hidden_states = (
@@ -750,8 +757,12 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
                 hidden_state = self.veca.norm(hidden_state)
             patches = hidden_state[:, num_cores:]  # (B, N, D)
             if self.config.reshape_hidden_states:
-                patches = patches.reshape(batch_size, *grid, -1).permute(0, 3, 1, 2).contiguous()  # (B, D, Hp, Wp)
-            feature_maps.append(patches)
+                feature_map = patches.reshape(batch_size, *grid, -1).permute(0, 3, 1, 2).contiguous()  # (B, D, Hp, Wp)
+            else:
+                # NOTE: only the global core stays, in the place of a ViT's CLS token: the ViT necks drop exactly one
+                # prefix token (Depth Anything) or read it as the readout token (DPT).
+                feature_map = torch.cat([hidden_state[:, :1], patches], dim=1)  # (B, 1 + N, D)
+            feature_maps.append(feature_map)
 
         output = BackboneOutput(
             feature_maps=tuple(feature_maps),

@@ -16,9 +16,15 @@ Each metric is a folder `<name>/<name>.py` holding one `evaluate.Metric` (the la
 local folder). `evaluate` copies the script into its modules cache (`$HF_MODULES_CACHE/evaluate_modules/metrics/
 <name>/<hash of the code>/`, `~/.cache/huggingface/modules` by default) and imports it from there, creating the
 cache on first use; the hash keeps an edited script from reusing a stale copy.
+
+These modules are the only definitions of accuracy and mIoU in veca_hf: `Trainer` fine-tuning calls `.compute` on
+them, and the linear probes (`veca_hf.evaluation`) call `compute_metric`, which runs the same code on arrays already
+in memory.
 """
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import evaluate
 
@@ -57,4 +63,34 @@ def load_metric(name: str, **kwargs) -> evaluate.EvaluationModule:
     return evaluate.load(str(folder), **kwargs)
 
 
-__all__ = ["METRICS_DIR", "available_metrics", "load_metric"]
+@functools.lru_cache(maxsize=None)
+def _cached_metric(name: str) -> evaluate.EvaluationModule:
+    return load_metric(name)
+
+
+def compute_metric(name: str, predictions: Any, references: Any, **kwargs) -> dict[str, Any]:
+    r"""
+    A shipped metric of arrays already in memory: the numbers `load_metric(name).compute(...)` gives, without the
+    round trip through `evaluate`'s Arrow table.
+
+    NOTE: `EvaluationModule.compute` first writes every input to an Arrow table and reads it back as Python lists;
+    for segmentation masks (PASCAL Context's validation set holds ~1.3G pixels at 512 px) that costs minutes and
+    gigabytes. This calls the module's `_compute`, the method an `evaluate.Metric` implements (the definition
+    itself), on the arrays directly.
+
+    Args:
+        name (`str`):
+            `"accuracy"` or `"mean_iou"` (see `available_metrics()`).
+        predictions / references (array-likes):
+            As the metric takes them: `(N,)` class indices for accuracy; `N` label maps (a list of `(H, W)` arrays
+            or one `(N, H, W)` array) for mean_iou.
+        kwargs:
+            The metric's arguments (`num_labels` and `ignore_index` for mean_iou, ...).
+
+    Returns:
+        `dict`: what `.compute` returns.
+    """
+    return _cached_metric(name)._compute(predictions=predictions, references=references, **kwargs)
+
+
+__all__ = ["METRICS_DIR", "available_metrics", "compute_metric", "load_metric"]

