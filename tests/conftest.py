@@ -75,3 +75,24 @@ def tiny_dinov3_config(**overrides):
     )
     values.update(overrides)
     return DINOv3ViTConfig(**values)
+
+
+@pytest.fixture
+def accelerator():
+    """A single-process CPU `Accelerator`, with Accelerate's global state reset before and after."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield Accelerator(cpu=True)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def prepared_linear(accelerator, seed=0):
+    """A seeded `Linear(4, 3)` and its AdamW, prepared by `accelerator`."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return accelerator.prepare(model, optimizer)

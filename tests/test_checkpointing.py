@@ -11,8 +11,7 @@ from pathlib import Path
 import accelerate.checkpointing
 import pytest
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from conftest import prepared_linear
 
 from veca_hf.checkpointing import (
     MANIFEST_NAME,
@@ -22,22 +21,6 @@ from veca_hf.checkpointing import (
     resolve_resume_path,
     save_checkpoint,
 )
-
-
-@pytest.fixture
-def accelerator():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield Accelerator(cpu=True)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def _prepared(accelerator, seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    return accelerator.prepare(model, optimizer)
 
 
 def _train_step(accelerator, model, optimizer):
@@ -57,7 +40,7 @@ def _save(accelerator, directory, step, **kwargs):
 
 
 def test_checkpoint_has_a_manifest_and_round_trips(accelerator, tmp_path):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     _train_step(accelerator, model, optimizer)
     path = _save(accelerator, tmp_path, 2)
     manifest = json.loads((path / MANIFEST_NAME).read_text())["files"]
@@ -71,7 +54,7 @@ def test_checkpoint_has_a_manifest_and_round_trips(accelerator, tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "flip"])
 def test_latest_falls_back_past_a_damaged_checkpoint(accelerator, tmp_path, damage, caplog):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     for step in (2, 4):
         _train_step(accelerator, model, optimizer)
         _save(accelerator, tmp_path, step)
@@ -94,7 +77,7 @@ def test_latest_falls_back_past_a_damaged_checkpoint(accelerator, tmp_path, dama
 
 
 def test_latest_with_no_complete_checkpoint_is_an_error_not_a_fresh_start(accelerator, tmp_path):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     _save(accelerator, tmp_path, 2)
     (tmp_path / "checkpoint-2" / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"no complete checkpoint in .*checkpoint-2: model.safetensors is missing"):
@@ -104,7 +87,7 @@ def test_latest_with_no_complete_checkpoint_is_an_error_not_a_fresh_start(accele
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(accelerator, tmp_path, monkeypatch):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     _save(accelerator, tmp_path, 2, total_limit=1)
     real_save = accelerate.checkpointing.save
 
@@ -125,7 +108,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(accelerator, tmp_p
 
 
 def test_rotation_keeps_complete_checkpoints(accelerator, tmp_path):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     for step in (2, 4, 6):
         _save(accelerator, tmp_path, step, total_limit=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
@@ -136,7 +119,7 @@ def test_rotation_keeps_complete_checkpoints(accelerator, tmp_path):
 
 @pytest.mark.parametrize("where", ["weights", "optimizer"])
 def test_non_finite_state_is_never_saved(accelerator, tmp_path, where):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     _train_step(accelerator, model, optimizer)
     with torch.no_grad():
         if where == "weights":

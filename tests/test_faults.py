@@ -12,28 +12,12 @@ import pytest
 import torch
 from accelerate import Accelerator, debug_launcher
 from accelerate.state import AcceleratorState, GradientState
-from conftest import tiny_config, tiny_dinov3_config
+from conftest import prepared_linear, tiny_config, tiny_dinov3_config
 from transformers import Dinov2Config
 
 from veca_hf.data import build_transform
 from veca_hf.distillation import check_teacher_student, teacher_normalization, transform_normalization
 from veca_hf.faults import NonFiniteStepsError, StepGuard, any_process, nonfinite_tensor_names
-
-
-@pytest.fixture
-def accelerator():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield Accelerator(cpu=True)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def _prepared(accelerator, seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    return accelerator.prepare(model, optimizer)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,7 +40,7 @@ def _guarded_step(accelerator, model, optimizer, guard, targets, max_grad_norm=1
 
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
 def test_non_finite_step_is_skipped_counted_and_stops_after_a_run_of_them(accelerator, max_grad_norm, caplog):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     guard = StepGuard(max_consecutive_nonfinite_steps=2)
     assert _guarded_step(accelerator, model, optimizer, guard, [torch.zeros(3)], max_grad_norm).applied
     before = {name: value.clone() for name, value in model.state_dict().items()}
@@ -83,7 +67,7 @@ def test_a_non_finite_micro_batch_skips_the_whole_accumulated_step(tmp_path):
     GradientState._reset_state()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     try:
-        model, optimizer = _prepared(accelerator)
+        model, optimizer = prepared_linear(accelerator)
         guard = StepGuard()
         before = model.weight.detach().clone()
         # The first micro-batch is corrupt, the second fine: the step is still skipped.
@@ -98,7 +82,7 @@ def test_a_non_finite_micro_batch_skips_the_whole_accumulated_step(tmp_path):
 
 
 def test_sigterm_asks_the_guard_to_stop_after_the_step(accelerator):
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     guard = StepGuard().install_signal_handler()
     try:
         assert not _guarded_step(accelerator, model, optimizer, guard, [torch.zeros(3)]).stop
@@ -114,7 +98,7 @@ def _two_process_agreement():
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     assert any_process(accelerator, rank == 1, False, rank == 0) == [True, False, True]
-    model, optimizer = _prepared(accelerator)
+    model, optimizer = prepared_linear(accelerator)
     before = accelerator.unwrap_model(model).weight.detach().clone()
     guard = StepGuard()
     guard.stop_requested = rank == 0  # SIGTERM reached one process only
