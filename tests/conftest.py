@@ -96,3 +96,15 @@ def prepared_linear(accelerator, seed=0):
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     return accelerator.prepare(model, optimizer)
+
+
+@pytest.fixture(scope="module")
+def veca_dir(tmp_path_factory) -> Path:
+    """A saved tiny random VECA folder with its image processor (seeded)."""
+    from veca_hf import VecaImageProcessor, VecaModel
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("models") / "veca-tiny"
+    VecaModel(tiny_config()).save_pretrained(path)
+    VecaImageProcessor().save_pretrained(path)
+    return path

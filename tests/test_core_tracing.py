@@ -11,7 +11,7 @@ from conftest import tiny_config, tiny_dinov3_config
 from PIL import Image
 from transformers import DINOv3ViTModel
 
-from veca_hf import VecaForImageClassification, VecaImageProcessor, VecaModel, evaluation
+from veca_hf import VecaForImageClassification, VecaModel, evaluation
 
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -75,15 +75,6 @@ def test_trace_cores_reads_the_model_outputs_of_head_models_and_refuses_others(m
     torch.testing.assert_close(trace.core_positions, torch.stack(outputs.all_core_coordinates, 1), rtol=0, atol=0)
     with pytest.raises(ValueError, match="needs a VECA model"):
         evaluation.trace_cores(DINOv3ViTModel(tiny_dinov3_config()).eval(), pixel_values)
-
-
-@pytest.fixture(scope="module")
-def veca_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "veca-tiny"
-    VecaModel(tiny_config()).save_pretrained(path)
-    VecaImageProcessor().save_pretrained(path)
-    return path
 
 
 def test_visualize_cores_script_writes_png(veca_dir, tmp_path):

@@ -19,7 +19,7 @@ from conftest import tiny_config, tiny_dinov3_config
 from PIL import Image
 from transformers import Dinov2Config, Dinov2Model, DINOv3ViTModel
 
-from veca_hf import VecaImageProcessor, VecaModel, evaluation
+from veca_hf import VecaModel, evaluation
 from veca_hf.metrics import compute_metric, load_metric
 
 
@@ -49,15 +49,6 @@ def _one_thread():
     yield
     torch.set_num_threads(threads)
     transformers.utils.logging.enable_progress_bar()
-
-
-@pytest.fixture(scope="module")
-def veca_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "veca-tiny"
-    VecaModel(tiny_config()).save_pretrained(path)
-    VecaImageProcessor().save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
