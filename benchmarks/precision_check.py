@@ -13,11 +13,15 @@ min over tokens) and of `pooler_output` (min over the batch), the relative error
 whole `last_hidden_state`, and the max absolute difference; a check passes when every min cosine is at least
 `--min_cosine`. Random weights unless `--veca_model` / `--dinov3_model` name folders (any `AutoModel` for the
 latter, e.g. a real DINOv2 teacher): random weights say how the kernels round, not how a trained model's features
-move. On CPU the script first reports whether this CPU has fast bf16 (`veca_hf.hardware.cpu_bf16_support`).
+move. Inputs are Gaussian noise unless `--images_dir` names a folder of images: then the first `--batch_size` of
+them (sorted by name), resized and centre-cropped to each resolution by `VecaImageProcessorPil.for_resolution`
+(ImageNet normalisation, as both models expect). On CPU the script first reports whether this CPU has fast bf16 (`veca_hf.hardware.cpu_bf16_support`).
 
     python benchmarks/precision_check.py --size veca-b16 --resolutions 224,512,1024 --threads 2
     python benchmarks/precision_check.py --device cuda --checks eager_sdpa --eager_sdpa_dtype bf16
     python benchmarks/precision_check.py --tiny --resolutions 64,96          # seconds
+    python benchmarks/precision_check.py --veca_model STUDENT_DIR --dinov3_model TEACHER_DIR --images_dir PHOTOS \
+        --resolutions 112,224 --batch_size 16 --budget 8                         # a trained pair on real photos
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import scaling
 import torch
 import torch.nn.functional as F
 
-from veca_hf import VecaModel
+from veca_hf import VecaImageProcessorPil, VecaModel
 from veca_hf.hardware import cpu_bf16_support
 
 
@@ -53,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min_cosine", type=float, default=0.999, help="Pass threshold for every min cosine.")
     parser.add_argument("--veca_model", default=None, help="A VecaModel folder (default: random weights).")
     parser.add_argument("--dinov3_model", default=None, help="An AutoModel folder (default: random DINOv3).")
+    parser.add_argument("--images_dir", default=None, help="A folder of images to use as inputs (default: noise).")
     parser.add_argument("--bf16_probe_size", type=int, default=2048, help="CPU: torch.mm side timed (0: flags only).")
     parser.add_argument("--output", default=None, help="JSON file to write.")
     args = parser.parse_args(argv)
@@ -74,6 +79,27 @@ def build_models(args) -> dict[str, torch.nn.Module]:
     dinov3 = (AutoModel.from_pretrained(args.dinov3_model, attn_implementation="sdpa") if args.dinov3_model
               else DINOv3ViTModel(dinov3_config))  # fmt: skip
     return {"VECA": veca.float().eval().to(args.device), "DINOv3": dinov3.float().eval().to(args.device)}
+
+
+def load_images(images_dir: str, count: int) -> list:
+    """The first `count` images of `images_dir` (sorted by name), as RGB PIL images."""
+    from PIL import Image
+
+    suffixes = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
+    paths = sorted(p for p in Path(images_dir).iterdir() if p.suffix.lower() in suffixes)
+    if len(paths) < count:
+        raise ValueError(f"--images_dir {images_dir} holds {len(paths)} images, fewer than --batch_size {count}; "
+                         "pass a smaller --batch_size or a folder with more images.")  # fmt: skip
+    return [Image.open(path).convert("RGB") for path in paths[:count]]
+
+
+def make_inputs(args, resolution: int, images: list | None) -> torch.Tensor:
+    """`(batch_size, 3, resolution, resolution)`: the images through the processor, or seeded Gaussian noise."""
+    if images is not None:
+        processor = VecaImageProcessorPil.for_resolution(resolution)
+        return processor(images, return_tensors="pt")["pixel_values"]
+    generator = torch.Generator().manual_seed(args.seed)
+    return torch.randn(args.batch_size, 3, resolution, resolution, generator=generator)
 
 
 def with_attention(model: torch.nn.Module, implementation: str) -> torch.nn.Module:
@@ -116,9 +142,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     device = torch.device(args.device)
     models = build_models(args)
+    images = load_images(args.images_dir, args.batch_size) if args.images_dir else None
     for resolution in args.resolutions:
-        generator = torch.Generator().manual_seed(args.seed)
-        x = torch.randn(args.batch_size, 3, resolution, resolution, generator=generator).to(device)
+        x = make_inputs(args, resolution, images).to(device)  # (B, 3, r, r)
         for name, model in models.items():
             kwargs = {"num_core_tokens": args.budget} if name == "VECA" else {}
             for check in args.checks:
@@ -155,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": vars(args),
         "machine": machine,
         "weights": {"VECA": args.veca_model or "random", "DINOv3": args.dinov3_model or "random"},
+        "inputs": args.images_dir or "gaussian noise",
         "rows": rows,
         "all_passed": all(r["passed"] for r in rows),
     }

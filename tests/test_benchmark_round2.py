@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_pil_images
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,11 +177,18 @@ def test_memory_mode_reports_positive_peaks_and_slopes(tmp_path):
 # --- precision_check.py, distill_step.py ---------------------------------------------------------------------------
 
 
-def test_precision_check_reports_cosines(tmp_path):
+@pytest.mark.parametrize("inputs", ["noise", "images"])
+def test_precision_check_reports_cosines(tmp_path, inputs):
     output = tmp_path / "precision.json"
+    extra = []
+    if inputs == "images":  # real-image path: a folder of (generated) photos through the processor
+        for index, image in enumerate(random_pil_images(3, size=(90, 70))):
+            image.save(tmp_path / f"{index}.png")
+        extra = ["--images_dir", str(tmp_path), "--batch_size", "3"]
     run_script("precision_check.py", "--tiny", "--resolutions", "64", "--threads", "1", "--bf16_probe_size", "0",
-               "--output", str(output))  # fmt: skip
+               "--output", str(output), *extra)  # fmt: skip
     result = json.loads(output.read_text())
+    assert result["inputs"] == (str(tmp_path) if inputs == "images" else "gaussian noise")
     rows = {(r["model"], r["check"]): r for r in result["rows"]}
     assert set(rows) == {(m, c) for m in ("VECA", "DINOv3") for c in ("bf16_autocast", "bf16_weights", "eager_sdpa")}
     for (model, check), row in rows.items():
@@ -188,6 +196,17 @@ def test_precision_check_reports_cosines(tmp_path):
         if check == "eager_sdpa":  # fp32: the two backends agree to rounding
             assert row["relative_error"] < 1e-4
     assert result["machine"]["bf16"]["flags"] is not None or sys.platform != "linux"
+
+
+def test_precision_check_images_dir_with_too_few_images_names_the_fix(tmp_path):
+    precision_check = import_benchmark("precision_check")
+    random_pil_images(1)[0].save(tmp_path / "only.png")
+    with pytest.raises(ValueError, match="holds 1 images, fewer than --batch_size 2"):
+        precision_check.load_images(str(tmp_path), 2)
+    processor_input = precision_check.make_inputs(
+        precision_check.parse_args(["--tiny"]), 32, precision_check.load_images(str(tmp_path), 1)
+    )
+    assert processor_input.shape == (1, 3, 32, 32)
 
 
 def test_distill_step_breakdown_and_paired_ratios(tmp_path):
