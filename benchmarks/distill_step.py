@@ -6,8 +6,8 @@ The step is `examples/distill.py`'s, without data loading: `compute_teacher_targ
 under bf16 autocast), `StudentWithLoss` (the student and `DistillationLoss`), `backward`, AdamW `step` and
 `zero_grad`. Students: VECA at each `--budgets` value and the dense control (`dense_student_config`, a
 `DINOv3ViTModel` of the same size), timed interleaved as in `benchmarks/scaling.py`: after the warm-up, each of the
-`--repeats` rounds runs, per resolution, every student's step back to back; every ratio to the dense student is also
-reported paired (median over the rounds of the ratio within one round).
+`--repeats` rounds runs, per resolution, every student's step back to back (the order rotated by one every round);
+every ratio to the dense student is also reported paired (median over the rounds of the ratio within one round).
 
 The teacher: a random DINOv3 of the student's width (the release the preset is distilled from: 4 registers, plain
 MLP, patch 16), or `--teacher` (any `AutoModel` folder, e.g. a real DINOv2; a patch size of 14 makes it see the
@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     samples: dict[tuple, list[dict[str, float]]] = {(r, s[0]): [] for r in args.resolutions for s in students}
     for round_index in range(args.warmup + args.repeats):
+        shift = round_index % len(students)
         for resolution in args.resolutions:
-            for label, module, optimizer, budget in students:
+            for label, module, optimizer, budget in students[shift:] + students[:shift]:  # rotated, as scaling.py
                 times = part_times(module, optimizer, budget, inputs[resolution])
                 if round_index >= args.warmup:
                     samples[(resolution, label)].append(times)

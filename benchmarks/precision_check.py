@@ -8,14 +8,15 @@ Checks (`--checks`), each against the same model in fp32 with SDPA on the same i
 - `bf16_weights`: the model and the input cast to bfloat16 (`model.to(torch.bfloat16)`);
 - `eager_sdpa`: `attn_implementation="eager"` against `"sdpa"`, both in `--eager_sdpa_dtype` (the same weights).
 
-Per check and resolution: the cosine similarity to the reference of every token of `last_hidden_state` (mean and
-min over tokens) and of `pooler_output` (min over the batch), the relative error `||x - ref|| / ||ref||` of the
-whole `last_hidden_state`, and the max absolute difference; a check passes when every min cosine is at least
+Per check and resolution: the cosine similarity to the reference of every token of `last_hidden_state` (mean and min
+over tokens) and of `pooler_output` (min over the batch), the relative error `||x - ref|| / ||ref||` of the whole
+`last_hidden_state`, and the max absolute difference; a check passes when every min cosine is at least
 `--min_cosine`. Random weights unless `--veca_model` / `--dinov3_model` name folders (any `AutoModel` for the
 latter, e.g. a real DINOv2 teacher): random weights say how the kernels round, not how a trained model's features
 move. Inputs are Gaussian noise unless `--images_dir` names a folder of images: then the first `--batch_size` of
 them (sorted by name), resized and centre-cropped to each resolution by `VecaImageProcessorPil.for_resolution`
-(ImageNet normalisation, as both models expect). On CPU the script first reports whether this CPU has fast bf16 (`veca_hf.hardware.cpu_bf16_support`).
+(ImageNet normalisation, as both models expect). On CPU the script first reports whether this CPU has fast bf16
+(`veca_hf.hardware.cpu_bf16_support`).
 
     python benchmarks/precision_check.py --size veca-b16 --resolutions 224,512,1024 --threads 2
     python benchmarks/precision_check.py --device cuda --checks eager_sdpa --eager_sdpa_dtype bf16

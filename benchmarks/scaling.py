@@ -8,9 +8,11 @@ patch 16. Both use the same attention implementation (`--attn_implementation`, d
 
 For every (mode, batch size) the models are timed *interleaved*: after the warm-up, each of the `--repeats` rounds
 runs the GEMM reference and then, per resolution, DINOv3 and every VECA budget in turn, so that drift on a shared
-machine affects all alike. Each point reports the median latency with min and max, and every ratio comes two ways:
-the ratio of the medians, and the *paired* ratio, the median over the rounds of the ratio within one round (the
-calls of a round run back to back, so slow drift between rounds cancels). Per point the script also records:
+machine affects all alike; the order of the calls rotates by one every round (round `r` starts at call `r`), so that
+no point always runs right after the same neighbour (e.g. after the dense model's large allocations). Each point
+reports the median latency with min and max, and every ratio comes two ways: the ratio of the medians, and the
+*paired* ratio, the median over the rounds of the ratio within one round (the calls of a round run back to back, so
+slow drift between rounds cancels). Per point the script also records:
 
 - analytic FLOPs (`veca_hf.flops`) and FLOPs counted by `torch.utils.flop_counter` on the meta device (shapes only,
   no compute), inside `sdpa_kernel(SDPBackend.MATH)`: the counter does not see the CPU flash kernel of SDPA, so
@@ -838,14 +840,16 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                 for key, call in calls.items():
                     if call is not None:
                         attempt(key, call)
-            # One round: the GEMM, then per resolution DINOv3 and each budget. Lists are indexed by round; None where
-            # a call failed.
+            # One round: the GEMM, then per resolution DINOv3 and each budget (rotated). Lists are indexed by round;
+            # None where a call failed.
             samples: dict[tuple, list[float | None]] = {key: [] for key in calls}
             faults: dict[tuple, list[int]] = {key: [] for key in calls}
             gemm_samples = []
-            for _ in range(args.repeats):
+            order = list(calls)
+            for round_index in range(args.repeats):
                 gemm_samples.append(gemm_flops / time_call(gemm, device))
-                for key in calls:
+                shift = round_index % len(order)
+                for key in order[shift:] + order[:shift]:  # rotated: no point always follows the same one
                     call = calls[key]
                     seconds = None
                     if call is not None:
@@ -1160,9 +1164,9 @@ def markdown(result: dict) -> str:
         f"round (column `GEMM GFLOP/s`: the median of the rounds); alone at the start "
         f"{gemm['start_median_gflops_per_s']:.1f} and the end {gemm['end_median_gflops_per_s']:.1f} GFLOP/s",
         f"- timing: {args['warmup']} warm-up + {args['repeats']} timed calls per model and resolution, in "
-        f"{args['repeats']} interleaved rounds (the GEMM, then per resolution DINOv3 and each budget); latency = "
-        "median [min-max]; ratio = ratio of the medians, and in brackets the paired ratio: the median over the "
-        "rounds of the ratio within each round",
+        f"{args['repeats']} interleaved rounds (the GEMM, then per resolution DINOv3 and each budget, the order "
+        "rotated by one every round); latency = median [min-max]; ratio = ratio of the medians, and in brackets "
+        "the paired ratio: the median over the rounds of the ratio within each round",
         "- GFLOPs: analytic (`veca_hf.flops`) and counted (`torch.utils.flop_counter` on meta, SDPA as MATH); "
         "% GEMM = analytic FLOPs / median latency / the point's GEMM reference",
         "- attention share: time inside the attention modules / whole forward, and in brackets the attention "
