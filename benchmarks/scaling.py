@@ -800,10 +800,21 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _round_ratios(numerators: list, denominators: list) -> list[float]:
+    """`numerators[i] / denominators[i]` per round, skipping rounds where either call failed."""
+    return [a / b for a, b in zip(numerators, denominators) if a is not None and b is not None]
+
+
 def _paired_median(numerators: list, denominators: list) -> float | None:
     """Median over the rounds of `numerators[i] / denominators[i]`, skipping rounds where either call failed."""
-    ratios = [a / b for a, b in zip(numerators, denominators) if a is not None and b is not None]
+    ratios = _round_ratios(numerators, denominators)
     return statistics.median(ratios) if ratios else None
+
+
+def _rounds_within(numerators: list, denominators: list, limit: float) -> str:
+    """How many rounds' ratios are at most `limit`, as "k/n": the paired median's support, round by round."""
+    ratios = _round_ratios(numerators, denominators)
+    return f"{sum(r <= limit for r in ratios)}/{len(ratios)}"
 
 
 def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list[dict]:
@@ -1071,25 +1082,30 @@ def train_targets(points: list[dict], args) -> list[dict]:
                 veca = _find(points, "train", batch, resolution, VECA, budget)
                 paired, flop_ratio = veca.get("paired_latency_ratio_vs_dinov3"), veca["flop_ratio_vs_dinov3"]
                 limit = flop_ratio + TRAIN_TARGET_MARGIN
+                rounds = None
+                if veca.get("latency_ms") and dense.get("latency_ms"):
+                    rounds = _rounds_within(veca["latency_ms"]["samples"], dense["latency_ms"]["samples"], limit)
                 out.append({
                     "target": "step time VECA / dense <= training FLOP ratio + 0.03",
                     "batch_size": batch, "resolution": resolution, "budget": budget, "issue_resolution": issue,
                     "paired_ratio": paired, "ratio_of_medians": veca.get("latency_ratio_vs_dinov3"),
                     "flop_ratio": flop_ratio, "limit": limit, "met": None if paired is None else paired <= limit,
+                    "rounds_within_limit": rounds,
                 })  # fmt: skip
             if small != large:
                 a, b = _find(points, "train", batch, resolution, VECA, small), _find(
                     points, "train", batch, resolution, VECA, large
                 )
-                paired = None
+                paired = rounds = None
                 if a.get("latency_ms") and b.get("latency_ms"):
                     paired = _paired_median(a["latency_ms"]["samples"], b["latency_ms"]["samples"])
+                    rounds = _rounds_within(a["latency_ms"]["samples"], b["latency_ms"]["samples"], 1.0)
                 out.append({
                     "target": f"step time C={small} <= C={large}",
                     "batch_size": batch, "resolution": resolution, "budget": [small, large], "issue_resolution": True,
                     "paired_ratio": paired, "ratio_of_medians": _safe_ratio(_median(a), _median(b)),
                     "flop_ratio": a["flops_analytic"] / b["flops_analytic"], "limit": 1.0,
-                    "met": None if paired is None else paired <= 1.0,
+                    "met": None if paired is None else paired <= 1.0, "rounds_within_limit": rounds,
                 })  # fmt: skip
     return out
 
@@ -1107,7 +1123,7 @@ def train_target_lines(targets: list[dict]) -> list[str]:
         lines.append(
             f"  - train, batch {t['batch_size']}, {t['resolution']} px, {budget}: {t['target']}: paired "
             f"{_fmt(t['paired_ratio'])} (medians {_fmt(t['ratio_of_medians'])}) vs limit {t['limit']:.3f} "
-            f"(FLOP ratio {t['flop_ratio']:.3f}): {verdict}{where}"
+            f"(FLOP ratio {t['flop_ratio']:.3f}; rounds within it: {t['rounds_within_limit']}): {verdict}{where}"
         )
     return lines
 

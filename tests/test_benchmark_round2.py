@@ -98,10 +98,15 @@ def test_train_mode_paired_ratios_are_medians_of_per_round_ratios(train_run):
         if isinstance(t["budget"], list):  # step time at the smallest budget over the largest
             small, large = (points[(t["resolution"], f"VECA C={c}")]["latency_ms"]["samples"] for c in t["budget"])
             assert t["paired_ratio"] == pytest.approx(_paired(small, large), rel=1e-12) and t["limit"] == 1.0
+            numerators, denominators = small, large
         else:
             point = points[(t["resolution"], f"VECA C={t['budget']}")]
             assert t["paired_ratio"] == point["paired_latency_ratio_vs_dinov3"]
             assert t["limit"] == pytest.approx(point["flop_ratio_vs_dinov3"] + 0.03)
+            numerators = point["latency_ms"]["samples"]
+            denominators = points[(t["resolution"], "DINOv3")]["latency_ms"]["samples"]
+        within = sum(a / b <= t["limit"] for a, b in zip(numerators, denominators))
+        assert t["rounds_within_limit"] == f"{within}/{REPEATS}"
         assert t["met"] == (t["paired_ratio"] <= t["limit"])
         assert t["issue_resolution"] == (t["resolution"] in (512, 768)) or isinstance(t["budget"], list)
 
