@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from veca_hf import VecaForImageClassification, VecaModel
+from veca_hf import VecaBackbone, VecaForImageClassification, VecaModel
 from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
 from veca_hf.modeling_veca import get_padded_patch_coordinates, get_patch_coordinates
 
@@ -158,6 +158,26 @@ def test_classification_logits_are_exact_per_image():
         batch = model(pixel_values, pixel_mask=pixel_mask).logits
         single = torch.cat([model(image[None]).logits for image in images])
     torch.testing.assert_close(batch, single, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("reshape_hidden_states", [True, False])
+def test_backbone_maps_are_exact_per_image(reshape_hidden_states):
+    """`VecaBackbone` with `pixel_mask`: each image's region of every stage's map equals its own maps."""
+    config = tiny_config(out_features=["stem", "stage1", "stage2"], reshape_hidden_states=reshape_hidden_states)
+    backbone = VecaBackbone(config).eval()
+    images = [torch.randn(3, 32, 96), torch.randn(3, 80, 48)]
+    pixel_values, pixel_mask = padded_batch(images)
+    with torch.no_grad():
+        batch = backbone(pixel_values, pixel_mask=pixel_mask).feature_maps
+        for index, image in enumerate(images):
+            rows, cols = image.shape[1] // PATCH, image.shape[2] // PATCH
+            for batch_map, single_map in zip(batch, backbone(image[None]).feature_maps):
+                if reshape_hidden_states:  # (B, D, Hp, Wp): the image's top-left region
+                    region = batch_map[index, :, :rows, :cols]
+                else:  # (B, 1 + N, D): the global core, then the image's own patches of the padded grid
+                    grid = batch_map[index, 1:].reshape(pixel_values.shape[2] // PATCH, -1, batch_map.shape[-1])
+                    region = torch.cat([batch_map[index, :1], grid[:rows, :cols].flatten(0, 1)])
+                torch.testing.assert_close(region, single_map[0], atol=ATOL, rtol=0)
 
 
 def test_padded_batch_trains():

@@ -719,6 +719,7 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        pixel_mask: torch.Tensor | None = None,
     ) -> BackboneOutput | tuple:
         r"""
         Args:
@@ -730,6 +731,10 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
                 Also return every stage's tokens, or the attention maps; see [`VecaModel.forward`].
             return_dict (`bool`, *optional*):
                 Return a [`BackboneOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
+            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
+                For a padded batch of images of different sizes; see [`VecaModel.forward`]. The maps keep the padded
+                grid: each image's region of them equals that image's own maps, and the padded positions hold
+                features of the padding (cropped or ignored by the head's loss, as for any padded batch).
         """
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         output_hidden_states = (
@@ -741,6 +746,7 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=True,
             return_dict=True,
+            pixel_mask=pixel_mask,
         )
         num_cores = outputs.core_coordinates.shape[1]
         batch_size, _, height, width = pixel_values.shape
