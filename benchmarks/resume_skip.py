@@ -3,8 +3,8 @@
 """How long a resumed `examples/distill.py` takes to reach its next batch, mid-epoch.
 
 Writes parquet shards of small generated JPEGs (enough for `--steps` x `--batch_size` images in one epoch, so the
-whole position lies inside the current epoch), then times `infinite_batches` from `examples/distill.py` up to the
-first batch after `--steps` consumed batches:
+whole position lies inside the current epoch), then times `veca_hf.data.infinite_batches` (the stream of
+`examples/distill.py`) up to the first batch after `--steps` consumed batches:
 
 - `skip`: what a checkpoint holds now (batches per DataLoader worker): consumed samples are passed over undecoded;
 - `replay`: a checkpoint without per-worker positions (the previous behaviour): every consumed batch is decoded,
@@ -14,7 +14,6 @@ first batch after `--steps` consumed batches:
     python benchmarks/resume_skip.py --steps 10000 --batch_size 32 --output_dir outputs/resume_skip
 """
 
-import importlib.util
 import io
 import json
 import time
@@ -26,10 +25,8 @@ import numpy as np
 from PIL import Image
 from transformers import HfArgumentParser
 
-from veca_hf.data import ImageStream, build_transform, collate_images, load_image_dataset
+from veca_hf.data import ImageStream, build_transform, collate_images, infinite_batches, load_image_dataset
 
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -64,19 +61,15 @@ def write_shards(folder: Path, count: int, size: int, num_shards: int) -> None:
         table.to_parquet(str(folder / f"part-{shard:05d}.parquet"))
 
 
-def time_to_next_batch(distill, stream, loader_kwargs, position: dict) -> float:
+def time_to_next_batch(stream, loader_kwargs, position: dict) -> float:
     start = time.perf_counter()
-    batch = next(distill.infinite_batches(stream, loader_kwargs, 0, position, "empty"))
+    batch = next(infinite_batches(stream, loader_kwargs, 0, position, "empty"))
     assert batch["pixel_values"] is not None
     return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(Arguments).parse_args_into_dataclasses(args=argv)
-    spec = importlib.util.spec_from_file_location("distill", REPO / "examples" / "distill.py")
-    distill = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(distill)
-
     output_dir = Path(args.output_dir)
     write_shards(output_dir / "shards", args.steps * args.batch_size + args.batch_size, args.image_size, args.num_shards)
     dataset = load_image_dataset(str(output_dir / "shards"))
@@ -95,10 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "steps": args.steps, "batch_size": args.batch_size, "resolution": args.resolution,
         "dataloader_num_workers": args.dataloader_num_workers,
-        "first_batch_seconds": time_to_next_batch(distill, stream, loader_kwargs, position(0, True)),
-        "skip_seconds": time_to_next_batch(distill, stream, loader_kwargs, position(args.steps, True)),
+        "first_batch_seconds": time_to_next_batch(stream, loader_kwargs, position(0, True)),
+        "skip_seconds": time_to_next_batch(stream, loader_kwargs, position(args.steps, True)),
         "replay_steps": args.replay_steps,
-        "replay_seconds_measured": time_to_next_batch(distill, stream, loader_kwargs, position(args.replay_steps, False)),
+        "replay_seconds_measured": time_to_next_batch(stream, loader_kwargs, position(args.replay_steps, False)),
     }
     # The replay's cost above a fresh start grows linearly with the consumed batches.
     extra = results["replay_seconds_measured"] - results["first_batch_seconds"]

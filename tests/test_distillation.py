@@ -17,13 +17,16 @@ from veca_hf.distillation import (
     ResolutionSchedule,
     StudentWithLoss,
     TeacherTargets,
+    build_student_config,
     compute_teacher_targets,
     default_budgets,
     dense_student_config,
     get_parameter_groups,
     paper_budget_weights,
+    teacher_autocast_dtype,
     teacher_image_size,
     training_budgets,
+    validation_losses,
 )
 
 
@@ -236,3 +239,38 @@ def test_student_with_loss_reads_cls_and_patches_of_a_dense_student():
     outputs = veca(pixel_values, num_core_tokens=8)
     expected = DistillationLoss(64, 64)(outputs.pooler_output, outputs.last_hidden_state[:, 8:], targets)
     torch.testing.assert_close(terms["loss"], expected["loss"])
+
+
+def test_build_student_config_from_preset_or_saved_config_with_overrides(tmp_path):
+    config = build_student_config(None, "veca-s16", '{"num_hidden_layers": 4, "patch_size": 14}')
+    assert (config.hidden_size, config.num_hidden_layers, config.patch_size) == (384, 4, 14)
+    assert build_student_config().hidden_size == 768  # the default preset, veca-b16
+    tiny_config(out_features=["stage1", "stage2"]).save_pretrained(tmp_path)
+    assert build_student_config(str(tmp_path)).out_features == ["stage1", "stage2"]
+    deeper = build_student_config(str(tmp_path), student_overrides={"num_hidden_layers": 3})
+    assert deeper.num_hidden_layers == 3 and deeper.stage_names[-1] == "stage3"  # stages follow the new depth
+
+
+def test_teacher_autocast_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert teacher_autocast_dtype("auto", cpu) is None and teacher_autocast_dtype("auto", cuda) is torch.bfloat16
+    assert teacher_autocast_dtype("bf16", cpu) is torch.bfloat16 and teacher_autocast_dtype("fp32", cuda) is None
+    with pytest.raises(ValueError, match="'float8' is not one of"):
+        teacher_autocast_dtype("float8", cpu)
+
+
+def test_validation_losses_are_per_budget_means_over_images(accelerator):
+    """Batches of different sizes: the result is the mean over images, not over batches, for every budget."""
+    student = VecaModel(tiny_config()).eval()
+    model = StudentWithLoss(student, DistillationLoss(64, 64)).train()
+    batches = [(torch.randn(n, 3, 32, 32), torch.randn(n, 64), torch.randn(n, 4, 64)) for n in (3, 1)]
+    results = validation_losses(model, batches, [8, 16], accelerator)
+    assert model.training  # back in train mode
+    for budget in (8, 16):
+        with torch.no_grad():
+            model.eval()
+            per_image = [model(x[i : i + 1], budget, cls[i : i + 1], patches[i : i + 1])["loss"]
+                         for x, cls, patches in batches for i in range(len(x))]  # fmt: skip
+        assert results[budget]["loss"] == pytest.approx(float(torch.stack(per_image).mean()), rel=1e-5)
+        assert set(results[budget]) == {"loss", "global_loss", "dense_cosine_loss"}
+    assert results[8]["loss"] != results[16]["loss"]

@@ -107,3 +107,13 @@ def test_resolve_teacher_names_the_demo_extra_when_it_is_missing(tmp_path, monke
         resolve_teacher("org/teacher", tmp_path / "fallback", allow_fallback=True)
     with pytest.raises(ValueError, match="needs fallback_dir"):
         resolve_teacher("org/teacher", allow_fallback=True)
+
+
+def test_resolve_teacher_on_all_ranks_returns_or_raises_the_main_process_answer(tmp_path, monkeypatch, accelerator,
+                                                                                fallback_calls):
+    assert hub.resolve_teacher_on_all_ranks(accelerator, str(tmp_path), tmp_path / "fallback") == str(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="Cannot use teacher 'veca-test/not-cached'.*--allow_teacher_fallback"):
+        hub.resolve_teacher_on_all_ranks(accelerator, "veca-test/not-cached", tmp_path / "fallback")
+    opted_in = hub.resolve_teacher_on_all_ranks(accelerator, "veca-test/not-cached", tmp_path / "fallback", True)
+    assert opted_in == str(tmp_path / "extracted") and fallback_calls == [tmp_path / "fallback"]

