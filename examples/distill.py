@@ -358,65 +358,73 @@ def main():
                     desc="distill")
     validation_results = None
     guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
-    while global_step < args.max_train_steps:
-        budget, resolution = budget_sampler(global_step), resolutions(global_step)
-        step_start, teacher_time, step_images, logs, loss_finite = time.perf_counter(), 0.0, 0, {}, True
-        for _ in range(args.gradient_accumulation_steps):
-            batch = next(batches)
-            while batch["pixel_values"] is None:  # every image of the batch was unreadable
-                skipped += batch["num_skipped"]
+    try:
+        while global_step < args.max_train_steps:
+            budget, resolution = budget_sampler(global_step), resolutions(global_step)
+            step_start, teacher_time, step_images, logs, loss_finite = time.perf_counter(), 0.0, 0, {}, True
+            for _ in range(args.gradient_accumulation_steps):
                 batch = next(batches)
-            skipped += batch["num_skipped"]
-            if sources_file is not None:
-                sources_file.writelines(f"{global_step}\t{source}\n" for source in batch["sources"])
-            pixel_values = resize_batch(batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution)
-            teacher_start = time.perf_counter()
-            targets = compute_teacher_targets(teacher, pixel_values, student_config.patch_size,
-                                              model_args.teacher_micro_batch_size, teacher_dtype)
-            teacher_time += time.perf_counter() - teacher_start
-            if nan_teacher_injected(global_step + 1, accelerator.process_index):  # test hook: a corrupt teacher output
-                targets.cls.fill_(float("nan"))
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    terms = model(pixel_values, budget, targets.cls, targets.patches)
-                loss_finite &= bool(torch.isfinite(terms["loss"].detach()))
-                accelerator.backward(terms["loss"])
-                if accelerator.sync_gradients:  # clip, skip a non-finite step on every rank, agree on stopping
-                    outcome = guard.step(accelerator, model, optimizer, loss_finite, args.max_grad_norm, global_step + 1)
-            step_images += pixel_values.shape[0]
-            for key, value in terms.items():
-                logs[key] = logs.get(key, 0.0) + float(value.detach()) / args.gradient_accumulation_steps
-        scheduler.step()
-        global_step += 1
-        images_seen += step_images
-        step_time = time.perf_counter() - step_start
-        progress.update(1)
+                while batch["pixel_values"] is None:  # every image of the batch was unreadable
+                    skipped += batch["num_skipped"]
+                    batch = next(batches)
+                skipped += batch["num_skipped"]
+                if sources_file is not None:
+                    sources_file.writelines(f"{global_step}\t{source}\n" for source in batch["sources"])
+                pixel_values = resize_batch(batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution)
+                teacher_start = time.perf_counter()
+                targets = compute_teacher_targets(teacher, pixel_values, student_config.patch_size,
+                                                  model_args.teacher_micro_batch_size, teacher_dtype)
+                teacher_time += time.perf_counter() - teacher_start
+                if nan_teacher_injected(global_step + 1, accelerator.process_index):  # test hook: a corrupt teacher output
+                    targets.cls.fill_(float("nan"))
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        terms = model(pixel_values, budget, targets.cls, targets.patches)
+                    loss_finite &= bool(torch.isfinite(terms["loss"].detach()))
+                    accelerator.backward(terms["loss"])
+                    if accelerator.sync_gradients:  # clip, skip a non-finite step on every rank, agree on stopping
+                        outcome = guard.step(accelerator, model, optimizer, loss_finite, args.max_grad_norm, global_step + 1)
+                step_images += pixel_values.shape[0]
+                for key, value in terms.items():
+                    logs[key] = logs.get(key, 0.0) + float(value.detach()) / args.gradient_accumulation_steps
+            scheduler.step()
+            global_step += 1
+            images_seen += step_images
+            step_time = time.perf_counter() - step_start
+            progress.update(1)
 
-        if budget is not None:
-            logs["budget"] = budget
-        logs.update(resolution=resolution, lr=scheduler.get_last_lr()[0], skipped_images=skipped,
-                    nonfinite_steps=guard.nonfinite_steps, images_per_second=step_images * accelerator.num_processes / step_time,
-                    teacher_seconds=teacher_time, student_seconds=step_time - teacher_time)
-        progress.set_postfix(loss=f"{logs['loss']:.4f}", C=budget, res=resolution)
-        accelerator.log(logs, step=global_step)
-        if global_step % args.logging_steps == 0 or global_step == 1:
-            logger.info(f"step {global_step}: " + ", ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()))
-        saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
-        if saved or outcome.stop:
-            checkpoint_now()
-        if outcome.stop:
-            logger.warning(f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "
-                           f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}.")
-            accelerator.end_training()
-            sys.exit(PREEMPTED_EXIT_CODE)
-        if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
-            validation_results = validation_losses(model, validation_batches, budgets, accelerator)
-            accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in validation_results.items()},
-                            step=global_step)
+            if budget is not None:
+                logs["budget"] = budget
+            logs.update(resolution=resolution, lr=scheduler.get_last_lr()[0], skipped_images=skipped,
+                        nonfinite_steps=guard.nonfinite_steps,
+                        images_per_second=step_images * accelerator.num_processes / step_time,
+                        teacher_seconds=teacher_time, student_seconds=step_time - teacher_time)
+            progress.set_postfix(loss=f"{logs['loss']:.4f}", C=budget, res=resolution)
+            accelerator.log(logs, step=global_step)
+            if global_step % args.logging_steps == 0 or global_step == 1:
+                logger.info(f"step {global_step}: " + ", ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()))
+            saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
+            if saved or outcome.stop:
+                checkpoint_now()
+            if outcome.stop:
+                logger.warning(f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "
+                               f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}.")
+                accelerator.end_training()
+                sys.exit(PREEMPTED_EXIT_CODE)
+            if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
+                validation_results = validation_losses(model, validation_batches, budgets, accelerator)
+                accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in
+                                 validation_results.items()}, step=global_step)
+    finally:
+        # NOTE: shuts the DataLoader workers down now, also when the loop raised: they ignore SIGTERM, so at exit
+        # multiprocessing would terminate them with SIGTERM and wait for them forever.
+        batches.close()
     progress.close()
     if sources_file is not None:
         sources_file.close()
+    if validation_batches and validation_results is None:  # resumed from the last step: no step ran to validate
+        validation_results = validation_losses(model, validation_batches, budgets, accelerator)
 
     # Final student: save_pretrained + image processor, loadable with AutoModel.from_pretrained.
     accelerator.wait_for_everyone()

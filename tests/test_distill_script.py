@@ -286,3 +286,24 @@ def test_held_out_split_taking_every_image_says_so(workspace, tmp_path):
     assert "the held-out validation split (the first --validation_size 100 images) took every image" in result.stderr
     assert "Lower --validation_size, or pass --validation_split" in result.stderr
 
+
+
+def test_a_failing_run_with_dataloader_workers_exits_instead_of_hanging(workspace, tmp_path):
+    """DataLoader workers ignore SIGTERM (for SLURM), so a run that raises must shut them down itself: otherwise
+    multiprocessing's exit hook terminates them with SIGTERM and waits for them forever. Here the teacher's output
+    is NaN at steps 1 and 2 and the guard stops the run after 2 non-finite steps in a row."""
+    args = distill_args(workspace, tmp_path / "failing", dataloader_num_workers=1, max_consecutive_nonfinite_steps=2)
+    result = run_distill(args, env={"VECA_HF_TEST_NAN_TEACHER_STEPS": "1,2"}, timeout=120, check=False)
+    assert result.returncode != 0 and "NonFiniteStepsError" in result.stderr
+
+
+def test_rerunning_a_finished_run_keeps_its_validation(workspace, tmp_path):
+    """Resumed from its last checkpoint, a finished run trains no step but still validates the student it saves."""
+    args = distill_args(workspace, tmp_path / "finished", max_train_steps=2, resume_from_checkpoint="latest")
+    run_distill(args)
+    first = json.loads((tmp_path / "finished" / "distill_results.json").read_text())
+    run_distill(args)
+    again = json.loads((tmp_path / "finished" / "distill_results.json").read_text())
+    assert set(again["validation"]) == {"8", "16"} and again["step"] == 2
+    for budget, terms in first["validation"].items():
+        assert again["validation"][budget]["loss"] == pytest.approx(terms["loss"], rel=1e-5)

@@ -170,3 +170,10 @@ def test_converter_refuses_hub_flags_without_push(tmp_path, fake_hub, capsys):
     assert exit_info.value.code == 2
     assert "--hub_model_id given without --push_to_hub" in capsys.readouterr().err
     assert not output_dir.exists() and fake_hub["create_repo"] == []  # refused before any work
+
+
+def test_default_resolutions_follow_the_patch_size(tmp_path):
+    """A patch-14 student (the DINOv2 teacher's grid) gets 224 and 448 px columns instead of failing on 256."""
+    tiny_config(patch_size=14).save_pretrained(tmp_path)
+    card = write_model_card(tmp_path, measure_latency=False)
+    assert "GFLOPs @ 224 px" in card.text and "GFLOPs @ 448 px" in card.text

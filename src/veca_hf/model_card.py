@@ -206,7 +206,7 @@ def write_model_card(
     license: str = "apache-2.0",
     pipeline_tag: str | None = None,
     tags: Sequence[str] = (),
-    resolutions: Sequence[int] = (256, 512),
+    resolutions: Sequence[int] | None = None,
     measure_latency: bool = True,
     latency_repeats: int = 3,
 ) -> ModelCard:
@@ -242,8 +242,9 @@ def write_model_card(
             Defaults to `"image-classification"` for a classifier, else `"image-feature-extraction"`.
         tags (`Sequence[str]`, *optional*):
             Extra Hub tags.
-        resolutions (`Sequence[int]`, *optional*, defaults to `(256, 512)`):
-            Square input sides (multiples of the patch size) for the FLOPs and latency columns.
+        resolutions (`Sequence[int]`, *optional*):
+            Square input sides (multiples of the patch size) for the FLOPs and latency columns. Defaults to 16 and
+            32 patches per side: 256 and 512 px at patch 16, 224 and 448 px at patch 14.
         measure_latency (`bool`, *optional*, defaults to `True`):
             Time every budget at each resolution (batch 1, median of `latency_repeats` passes after one warm-up,
             with `veca_hf.training.pick_budget`). `False` leaves the columns out and says so in the card.
@@ -256,9 +257,13 @@ def write_model_card(
     model_dir = Path(model_dir)
     config = VecaConfig.from_pretrained(model_dir)
     is_classifier = "VecaForImageClassification" in (config.architectures or [])
+    resolutions = tuple(resolutions) if resolutions else (16 * config.patch_size, 32 * config.patch_size)
     for resolution in resolutions:
         if resolution % config.patch_size:
-            raise ValueError(f"Resolution {resolution} is not a multiple of patch_size={config.patch_size}.")
+            raise ValueError(
+                f"Resolution {resolution} is not a multiple of patch_size={config.patch_size}: pass `resolutions` "
+                f"that are (e.g. {16 * config.patch_size} and {32 * config.patch_size})."
+            )
     datasets = [datasets] if isinstance(datasets, str) else list(datasets or [])
     budget_metrics = {int(budget): dict(values) for budget, values in (budget_metrics or {}).items()}
     for budget in budget_metrics:
