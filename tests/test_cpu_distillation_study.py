@@ -101,3 +101,12 @@ def test_smoke_study_writes_table_targets_and_plot_and_resumes(study_inputs, tmp
 def test_study_without_fashion_mnist_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="--fashion_mnist_dir is required"):
         load_study().main(["--output_dir", str(tmp_path)])
+
+
+def test_kept_gain_needs_a_gain_to_keep():
+    """Target 3a: a ratio of two losses against the random VECA (both budgets below it) is not a kept gain."""
+    gain_kept_met = load_study().gain_kept_met
+    assert gain_kept_met(0.97, high_gain=0.05, threshold=0.95)
+    assert not gain_kept_met(0.90, high_gain=0.05, threshold=0.95)
+    assert not gain_kept_met(1.19, high_gain=-0.044, threshold=0.95)  # the study's run: both below random
+    assert not gain_kept_met(float("nan"), high_gain=0.0, threshold=0.95)
