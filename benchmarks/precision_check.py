@@ -86,8 +86,9 @@ def load_images(images_dir: str, count: int) -> list:
     """The first `count` images of `images_dir` (sorted by name), as RGB PIL images."""
     from PIL import Image
 
-    suffixes = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
-    paths = sorted(p for p in Path(images_dir).iterdir() if p.suffix.lower() in suffixes)
+    from veca_hf.evaluation.datasets import IMAGE_EXTENSIONS
+
+    paths = sorted(p for p in Path(images_dir).iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
     if len(paths) < count:
         raise ValueError(f"--images_dir {images_dir} holds {len(paths)} images, fewer than --batch_size {count}; "
                          "pass a smaller --batch_size or a folder with more images.")  # fmt: skip

@@ -217,7 +217,11 @@ def nan_teacher_injected(step: int, process_index: int) -> bool:
 
 def ignore_sigterm(worker_id: int | None = None) -> None:
     """A DataLoader `worker_init_fn`: workers ignore SIGTERM, so that a SIGTERM sent to the whole process group
-    (SLURM does) leaves them serving the main process until it has written its checkpoint."""
+    (SLURM does) leaves them serving the main process until it has written its checkpoint.
+
+    NOTE: the main process must then shut its loader down itself, also when it raises (close the iterator or the
+    generator over it in a `finally`, as `examples/distill.py` does): multiprocessing's exit hook stops leftover
+    workers with SIGTERM and waits for them, forever."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
