@@ -22,16 +22,11 @@ import transformers
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import (
-    AutoModel,
-    DINOv3ViTModel,
-    HfArgumentParser,
-    get_constant_schedule,
-    get_cosine_with_min_lr_schedule_with_warmup,
-)
+from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser
 
-from veca_hf import VecaImageProcessor, VecaModel
+from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
 from veca_hf.arguments import parse_args_with_file
 from veca_hf.checkpointing import load_checkpoint, resolve_resume_path, save_checkpoint
 from veca_hf.data import (
@@ -45,6 +40,7 @@ from veca_hf.data import (
 )
 from veca_hf.distillation import (
     BudgetSampler,
+    PROJECTION_FILE,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
@@ -52,7 +48,7 @@ from veca_hf.distillation import (
     check_teacher_student,
     compute_teacher_targets,
     dense_student_config,
-    get_parameter_groups,
+    init_patch_embeddings_from_teacher,
     teacher_autocast_dtype,
     teacher_normalization,
     training_budgets,
@@ -62,6 +58,7 @@ from veca_hf.distillation import (
 from veca_hf.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, nan_teacher_injected
 from veca_hf.hub import resolve_teacher_on_all_ranks
 from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
+from veca_hf.optimization import OPTIMIZERS, build_optimizer, cosine_schedule_with_warmup, optimizer_group_names
 
 
 logger = get_logger(__name__)
@@ -94,6 +91,16 @@ class ModelArguments:
     student_type: str = field(
         default="veca",
         metadata={"help": "veca | dense: a DINOv3ViTModel of the same size (the attention-pattern control; no budgets)."},
+    )
+    student_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Start from a saved student's weights and config (a folder or Hub id), e.g. stage 1's output "
+                  "for stage 2. Excludes --student_config / --student_preset / --student_overrides."},
+    )
+    init_patch_embeddings_from_teacher: str = field(
+        default="auto",
+        metadata={"help": "Copy the teacher's patch convolution into the student before training, as the paper does: "
+                  "auto (when the shapes match, and not over --student_name_or_path weights) | yes (or an error) | no."},
     )
     teacher_micro_batch_size: int | None = field(default=None, metadata={"help": "Teacher images per forward."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Student attention: sdpa | eager."})
@@ -135,6 +142,15 @@ class DistillationArguments:
     learning_rate: float = 4e-4
     min_learning_rate: float = 5e-5
     warmup_steps: int = 100
+    warmup_from_min_learning_rate: bool = field(
+        default=False,
+        metadata={"help": "Warm up linearly from --min_learning_rate (the paper's schedule) instead of from 0."},
+    )
+    optimizer: str = field(
+        default="adamw",
+        metadata={"help": "adamw | normuon: the paper's split, NorMuon for the blocks' hidden matrices and AdamW for "
+                  "the rest, one --learning_rate (pytorch-optimizer; not with DeepSpeed). See docs/training.md."},
+    )
     weight_decay: float = 0.015
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -206,6 +222,30 @@ def build_accelerator(args: DistillationArguments, output_dir: Path) -> Accelera
     )
 
 
+def build_student(model_args: ModelArguments) -> tuple[torch.nn.Module, VecaConfig]:
+    """The student (`VecaModel`, or the dense `DINOv3ViTModel` control) and the VecaConfig its size comes from:
+    random weights from a preset / config (+ overrides), or the weights of `--student_name_or_path`."""
+    if model_args.student_type not in ("veca", "dense"):
+        raise ValueError(f"--student_type {model_args.student_type!r} is not one of 'veca', 'dense'.")
+    if model_args.student_name_or_path:
+        given = [f"--{name}" for name in ("student_config", "student_preset", "student_overrides")
+                 if getattr(model_args, name)]
+        if given:
+            raise ValueError(f"--student_name_or_path {model_args.student_name_or_path} brings its own config; drop "
+                             f"{', '.join(given)} (or train from a config without --student_name_or_path).")
+        student_class = VecaModel if model_args.student_type == "veca" else DINOv3ViTModel
+        student = student_class.from_pretrained(model_args.student_name_or_path)
+        if model_args.student_type == "dense":  # the size the dense student was built from, as a VecaConfig
+            fields = {k: getattr(student.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                              "intermediate_size", "patch_size", "num_channels")}
+            return student, VecaConfig(**fields)
+        return student, student.config
+    config = build_student_config(model_args.student_config, model_args.student_preset, model_args.student_overrides)
+    if model_args.student_type == "veca":
+        return VecaModel(config), config
+    return DINOv3ViTModel(dense_student_config(config)), config
+
+
 def budget_label(budget: int | None) -> str:
     return "dense" if budget is None else str(budget)
 
@@ -214,10 +254,18 @@ def main():
     model_args, data_args, args = parse_args()
     if data_args.dataset_name is None:
         raise ValueError("--dataset_name is required (a Hub dataset id, an image folder, or parquet / tar shards).")
+    if args.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {args.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
     output_dir = Path(args.output_dir)
     # Before any work, as Trainer does: a wrong flag or a missing login fails at once.
     repo_id = resolve_hub_model_id(output_dir, args.push_to_hub, args.hub_model_id, args.hub_token)
     accelerator = build_accelerator(args, output_dir)
+    if args.optimizer == "normuon" and accelerator.state.deepspeed_plugin is not None:
+        raise ValueError(
+            "--optimizer normuon does not run under DeepSpeed: NorMuon orthogonalises each hidden weight matrix "
+            "whole, but ZeRO flattens and partitions parameters and optimiser state across ranks. Launch with DDP "
+            "(examples/configs/multi_gpu.yaml) for NorMuon, or keep DeepSpeed with --optimizer adamw."
+        )
     if repo_id is not None and accelerator.is_main_process:
         repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
@@ -244,17 +292,17 @@ def main():
     teacher.requires_grad_(False).eval().to(accelerator.device)
     teacher_dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
 
-    student_config = build_student_config(model_args.student_config, model_args.student_preset,
-                                          model_args.student_overrides)
+    student, student_config = build_student(model_args)
     if model_args.student_type == "veca":
-        student = VecaModel(student_config)
         budgets, budget_weights = training_budgets(student_config, args.budgets, args.budget_weights)
         budget_sampler = BudgetSampler(budgets, budget_weights, seed=args.seed)
-    elif model_args.student_type == "dense":  # no budget: one "budget" None, validated and reported as "dense"
-        student = DINOv3ViTModel(dense_student_config(student_config))
+    else:  # dense: no budget; one "budget" None, validated and reported as "dense"
         budgets, budget_sampler = [None], lambda step: None
-    else:
-        raise ValueError(f"--student_type {model_args.student_type!r} is not one of 'veca', 'dense'.")
+    # Starting from saved weights, `auto` keeps their patch embedding; `yes` replaces it.
+    patch_init = model_args.init_patch_embeddings_from_teacher
+    if model_args.student_name_or_path and patch_init == "auto":
+        patch_init = "no"
+    init_patch_embeddings_from_teacher(student, teacher, patch_init)
     student.set_attn_implementation(model_args.attn_implementation)
     if args.gradient_checkpointing:
         student.activation_checkpointing_enable()
@@ -299,25 +347,28 @@ def main():
                                           model_args.teacher_micro_batch_size, teacher_dtype)
         validation_batches.append((pixel_values, targets.cls, targets.patches))
 
-    optimizer = torch.optim.AdamW(get_parameter_groups(model, args.weight_decay), lr=args.learning_rate,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay,
+                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
+    if args.optimizer == "normuon":
+        hidden = optimizer_group_names(model, optimizer)[0]
+        logger.info(f"NorMuon for {len(hidden)} hidden matrices ({hidden[0]}, ...); AdamW for the other "
+                    f"{sum(1 for p in model.parameters() if p.requires_grad) - len(hidden)} tensors.")
     # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process).
-    # A zero learning rate (a control run that must not learn) has no cosine schedule to a minimum: keep it constant.
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=args.warmup_steps, num_training_steps=args.max_train_steps,
-        min_lr=args.min_learning_rate,
-    ) if args.learning_rate > 0 else get_constant_schedule(optimizer)
+    scheduler = cosine_schedule_with_warmup(optimizer, args.learning_rate, args.min_learning_rate, args.warmup_steps,
+                                            args.max_train_steps, warmup_from_min=args.warmup_from_min_learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
     checkpoints_dir = output_dir / "checkpoints"
     global_step, position, images_seen, skipped = 0, {"epoch": 0, "batches": 0}, 0, 0
+    validation_history = []  # {"step": s, "losses": {budget: terms}} at every validation
     worker_keys = ("worker_batches", "last_worker")
     guard = StepGuard(args.max_consecutive_nonfinite_steps)
     resume_path = resolve_resume_path(args.resume_from_checkpoint, checkpoints_dir)
     if resume_path is not None:
         training_state, process_state = load_checkpoint(accelerator, resume_path)
         guard.load_state_dict(training_state)
+        validation_history = training_state.get("validation_history", [])
         global_step, images_seen, skipped = (training_state["step"], process_state["images_seen"],
                                              process_state["skipped_images"])
         position = {"epoch": process_state["epoch"], "batches": process_state["batches"],
@@ -344,6 +395,7 @@ def main():
         save_checkpoint(
             accelerator, checkpoints_dir, global_step,
             training_state={"step": global_step, "num_processes": accelerator.num_processes, **guard.state_dict(),
+                            "validation_history": validation_history,
                             "args": {**asdict(model_args), **asdict(data_args), **asdict(args)}},
             process_state={**position, "images_seen": images_seen, "skipped_images": skipped},
             total_limit=args.checkpoints_total_limit,
@@ -414,6 +466,8 @@ def main():
                 sys.exit(PREEMPTED_EXIT_CODE)
             if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
                 validation_results = validation_losses(model, validation_batches, budgets, accelerator)
+                validation_history.append({"step": global_step, "losses": {budget_label(b): r for b, r in
+                                                                           validation_results.items()}})
                 accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in
                                  validation_results.items()}, step=global_step)
     finally:
@@ -432,13 +486,18 @@ def main():
     if accelerator.is_main_process:
         student_state = {k[len("student."):]: v for k, v in state_dict.items() if k.startswith("student.")}
         accelerator.unwrap_model(model).student.save_pretrained(output_dir, state_dict=student_state)
+        projection = {k[len("criterion.projection."):]: v for k, v in state_dict.items()
+                      if k.startswith("criterion.projection.")}
+        if projection:  # widths differ: the trained map into the teacher's space, to compare features with it
+            save_file({k: v.contiguous() for k, v in projection.items()}, output_dir / PROJECTION_FILE)
         # The settings the validation transform was derived from (`build_transform(validation_resolution, ...)`).
         VecaImageProcessor.for_resolution(validation_resolution).save_pretrained(output_dir)
         summary = {"step": global_step, "images_seen_main_process": images_seen, "skipped_images": skipped,
                    "nonfinite_steps": guard.nonfinite_steps,
                    "skipped_validation_images": validation_skipped,
                    "student_type": model_args.student_type,
-                   "validation": {budget_label(b): r for b, r in (validation_results or {}).items()}}
+                   "validation": {budget_label(b): r for b, r in (validation_results or {}).items()},
+                   "validation_history": validation_history}
         (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
         if validation_results:
             print(f"\nValidation loss per budget after {global_step} steps ({validation_resolution}px):")

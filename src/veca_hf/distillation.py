@@ -20,6 +20,8 @@ from transformers import DINOv3ViTConfig
 from transformers.utils import cached_file, logging
 
 from .configuration_veca import VecaConfig
+from .modeling_veca import gathered_for_init
+from .optimization import get_parameter_groups  # noqa: F401 (public here too, as before)
 
 
 logger = logging.get_logger(__name__)
@@ -362,6 +364,10 @@ def compute_teacher_targets(
     return TeacherTargets(cls=torch.cat(cls_parts), patches=torch.cat(patch_parts))
 
 
+# Where `examples/distill.py` saves the loss's projection (student width -> teacher width) beside the student.
+PROJECTION_FILE = "distillation_projection.safetensors"
+
+
 class DistillationLoss(nn.Module):
     """`L = L_global + dense_weight * (L_dense_cos + mse_weight * L_dense_mse)` in fp32: the paper's objective.
 
@@ -413,26 +419,62 @@ class DistillationLoss(nn.Module):
         }
 
 
-# Parameters that must not be weight-decayed, by the last component of their name (plus every 1-D tensor).
-NO_DECAY_NAMES = ("core_tokens", "core_coordinates", "step", "bias")
+PATCH_EMBEDDING_INIT_MODES = ("auto", "yes", "no")
 
 
-def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups with no weight decay on cores, core coordinates, coordinate step scales, norms and biases.
+def patch_embedding_conv(model: nn.Module) -> nn.Conv2d:
+    """The patch convolution of a VECA, DINOv3 or DINOv2 model: the first `nn.Conv2d` under `model.embeddings`."""
+    embeddings = getattr(model, "embeddings", None)
+    for module in embeddings.modules() if embeddings is not None else ():
+        if isinstance(module, nn.Conv2d):
+            return module
+    raise ValueError(f"{type(model).__name__} has no patch convolution (an nn.Conv2d) under `embeddings`.")
 
-    NOTE: `Trainer`'s default rule decays everything that is not a norm or a bias, which would pull the cores and
-    their coordinates towards zero.
+
+def init_patch_embeddings_from_teacher(student: nn.Module, teacher: nn.Module, mode: str = "auto") -> bool:
     """
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        parts = name.split(".")
-        if parameter.ndim <= 1 or any(part in NO_DECAY_NAMES for part in parts):
-            no_decay.append(parameter)
-        else:
-            decay.append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    Copy the teacher's patch convolution (weight and bias) into the student before training, as the research code
+    does: the student then starts from the teacher's view of a patch.
+
+    Args:
+        student (`VecaModel` or `DINOv3ViTModel`): the student (its parameters may be ZeRO-3 partitions).
+        teacher (`nn.Module`): a DINOv3 / DINOv2 model.
+        mode (`str`): `"auto"` copies when the shapes match and says what it did either way; `"yes"` copies or
+            raises; `"no"` leaves the student as it is.
+
+    Returns:
+        `bool`: whether the weights were copied.
+
+    Raises:
+        `ValueError`: for an unknown `mode`, or `"yes"` with shapes that differ (naming both).
+    """
+    if mode not in PATCH_EMBEDDING_INIT_MODES:
+        raise ValueError(
+            f"--init_patch_embeddings_from_teacher {mode!r} is not one of {', '.join(PATCH_EMBEDDING_INIT_MODES)}."
+        )
+    if mode == "no":
+        return False
+    source, target = patch_embedding_conv(teacher), patch_embedding_conv(student)
+    with gathered_for_init(target), torch.no_grad():  # ZeRO-3: the whole weight, written on rank 0 and broadcast
+        shapes = {"teacher": tuple(source.weight.shape), "student": tuple(target.weight.shape)}
+        same = shapes["teacher"] == shapes["student"] and (source.bias is None) == (target.bias is None)
+        if not same:
+            message = (
+                f"the teacher's patch convolution has weight shape {shapes['teacher']} (bias: {source.bias is not None}) "
+                f"and the student's {shapes['student']} (bias: {target.bias is not None})"
+            )
+            if mode == "yes":
+                raise ValueError(
+                    f"--init_patch_embeddings_from_teacher yes: {message}; they must be equal (same width, patch size "
+                    "and channels). Use 'auto' to copy only when they match, or 'no'."
+                )
+            logger.info(f"Patch embedding not copied from the teacher: {message}.")
+            return False
+        target.weight.copy_(source.weight)
+        if target.bias is not None:
+            target.bias.copy_(source.bias)
+    logger.info(f"Patch embedding copied from the teacher: weight {shapes['student']} and bias.")
+    return True
 
 
 # fields that `VecaConfig` and `DINOv3ViTConfig` name and mean alike
@@ -537,10 +579,11 @@ def validation_losses(
         accelerator (`accelerate.Accelerator`): for autocast and the reduction over processes.
 
     Returns:
-        Per budget, `loss`, `global_loss` and `dense_cosine_loss`, each a mean over all held-out images.
+        Per budget, `loss`, `global_loss`, `dense_cosine_loss` and `dense_mse_loss`, each a mean over all held-out
+        images.
     """
     model.eval()
-    totals = {budget: torch.zeros(4, device=accelerator.device) for budget in budgets}  # loss terms x3 + count
+    totals = {budget: torch.zeros(5, device=accelerator.device) for budget in budgets}  # 4 loss terms + count
     for pixel_values, teacher_cls, teacher_patches in validation_batches:
         count = pixel_values.shape[0]
         for budget in budgets:
@@ -548,21 +591,23 @@ def validation_losses(
                 terms = model(pixel_values, budget, teacher_cls, teacher_patches)
             totals[budget] += torch.stack([
                 terms["loss"].float() * count, terms["global_loss"] * count, terms["dense_cosine_loss"] * count,
-                torch.tensor(float(count), device=accelerator.device),
+                terms["dense_mse_loss"] * count, torch.tensor(float(count), device=accelerator.device),
             ])  # fmt: skip
     model.train()
     results = {}
     for budget, total in totals.items():
         total = accelerator.reduce(total, reduction="sum")
-        count = max(float(total[3]), 1.0)
+        count = max(float(total[4]), 1.0)
         results[budget] = {"loss": float(total[0]) / count, "global_loss": float(total[1]) / count,
-                           "dense_cosine_loss": float(total[2]) / count}  # fmt: skip
+                           "dense_cosine_loss": float(total[2]) / count, "dense_mse_loss": float(total[3]) / count}
     return results
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_BUDGET_WEIGHTS",
     "PAPER_STAGE2_RESOLUTION_SCHEDULE",
+    "PATCH_EMBEDDING_INIT_MODES",
+    "PROJECTION_FILE",
     "BudgetSampler",
     "DistillationLoss",
     "ResolutionSchedule",
@@ -575,7 +620,9 @@ __all__ = [
     "dense_student_config",
     "default_budgets",
     "get_parameter_groups",
+    "init_patch_embeddings_from_teacher",
     "paper_budget_weights",
+    "patch_embedding_conv",
     "teacher_autocast_dtype",
     "teacher_image_size",
     "teacher_normalization",

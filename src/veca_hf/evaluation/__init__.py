@@ -45,6 +45,7 @@ from .features import (
     compute_features,
     extract_features,
     global_feature_cosine,
+    patch_feature_cosine,
 )
 from .knn import knn_classify
 from .linear_probes import (
@@ -81,6 +82,7 @@ __all__ = [
     "extract_features",
     "fashion_mnist",
     "global_feature_cosine",
+    "patch_feature_cosine",
     "hub_image_classification",
     "image_folder",
     "knn_classify",

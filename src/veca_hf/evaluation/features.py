@@ -154,6 +154,19 @@ def global_feature_cosine(student: torch.Tensor, teacher: torch.Tensor) -> dict[
     return {"cosine": float(cosine.mean()), "centred_cosine": float(centred.mean()), "num_images": len(student)}
 
 
+def patch_feature_cosine(student: torch.Tensor, teacher: torch.Tensor) -> dict[str, float]:
+    r"""
+    How well a student's patch features follow its teacher's: [`global_feature_cosine`] over every patch of every
+    image (`(N, Hp, Wp, D)` each, same grid), i.e. the mean per-patch cosine, raw and centred (each model's mean
+    patch feature subtracted).
+    """
+    if student.shape != teacher.shape or student.ndim < 2:
+        raise ValueError(f"Need two patch-feature tensors of equal shape, got {tuple(student.shape)} and "
+                         f"{tuple(teacher.shape)}.")  # fmt: skip
+    result = global_feature_cosine(student.flatten(0, -2), teacher.flatten(0, -2))
+    return {"cosine": result["cosine"], "centred_cosine": result["centred_cosine"], "num_patches": result["num_images"]}
+
+
 class ProbeModel:
     r"""
     A backbone to probe: its config now, its weights on first use (a fully cached run never loads them).
