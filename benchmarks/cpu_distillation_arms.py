@@ -52,8 +52,8 @@ class Arm:
     resolution: int | None = None  # None: the study's
     max_train_steps: int | None = None
     curve_steps: int | None = None  # None: the study's --curve_steps
-    # Extra distill.py flags; every arm names its patch-embedding start (distill.py's default is `auto`).
-    flags: dict = field(default_factory=lambda: {"init_patch_embeddings_from_teacher": "no"})
+    # distill.py flags that differ from the second study's (whose students start from a random patch embedding)
+    flags: dict = field(default_factory=dict)
 
 
 PAPER_RECIPE = {"optimizer": "normuon", "init_patch_embeddings_from_teacher": "yes",
@@ -101,8 +101,13 @@ def arm_settings(args: ArmsArguments, arm: Arm) -> ArmsArguments:
 
 def distill_command(args: ArmsArguments, arm: Arm, teacher: str, data_dir: Path, kind: str, output_dir: Path) -> list:
     command = base.distill_command(args, teacher, data_dir, kind, output_dir)
-    command[command.index("--validation_steps") + 1] = str(arm.curve_steps or args.curve_steps)
-    return command + base.as_flags(arm.flags)
+    flags = {"validation_steps": arm.curve_steps or args.curve_steps, **arm.flags}
+    for name, value in flags.items():  # replace the study's value, or add the flag
+        if f"--{name}" in command:
+            command[command.index(f"--{name}") + 1] = str(value)
+        else:
+            command += [f"--{name}", str(value)]
+    return command
 
 
 def load_student(path: Path, device: str = "cpu"):

@@ -238,6 +238,8 @@ def distill_command(args: StudyArguments, teacher: str, data_dir: Path, student_
         output_dir=str(output_dir),
         # The study times its own stages; latencies at 256 / 512 px on a shared CPU would be noise (and minutes).
         model_card_latency=False,
+        # The study's students start from random weights (distill.py's default copies a matching teacher patch conv).
+        init_patch_embeddings_from_teacher="no",
         **forwarded(
             args, "student_preset", "student_overrides", "budgets", "budget_weights", "resolution",
             "shuffle_buffer_size", "dataloader_num_workers", "per_device_train_batch_size", "max_train_steps",

@@ -55,10 +55,15 @@ from veca_hf.distillation import (
     transform_normalization,
     validation_losses,
 )
-from veca_hf.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, nan_teacher_injected
+from veca_hf.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, nan_teacher_injected, replicas_agree
 from veca_hf.hub import resolve_teacher_on_all_ranks
 from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
-from veca_hf.optimization import OPTIMIZERS, build_optimizer, cosine_schedule_with_warmup, optimizer_group_names
+from veca_hf.optimization import (
+    build_optimizer,
+    check_optimizer_backend,
+    cosine_schedule_with_warmup,
+    optimizer_group_names,
+)
 
 
 logger = get_logger(__name__)
@@ -254,18 +259,11 @@ def main():
     model_args, data_args, args = parse_args()
     if data_args.dataset_name is None:
         raise ValueError("--dataset_name is required (a Hub dataset id, an image folder, or parquet / tar shards).")
-    if args.optimizer not in OPTIMIZERS:
-        raise ValueError(f"--optimizer {args.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
     output_dir = Path(args.output_dir)
     # Before any work, as Trainer does: a wrong flag or a missing login fails at once.
     repo_id = resolve_hub_model_id(output_dir, args.push_to_hub, args.hub_model_id, args.hub_token)
     accelerator = build_accelerator(args, output_dir)
-    if args.optimizer == "normuon" and accelerator.state.deepspeed_plugin is not None:
-        raise ValueError(
-            "--optimizer normuon does not run under DeepSpeed: NorMuon orthogonalises each hidden weight matrix "
-            "whole, but ZeRO flattens and partitions parameters and optimiser state across ranks. Launch with DDP "
-            "(examples/configs/multi_gpu.yaml) for NorMuon, or keep DeepSpeed with --optimizer adamw."
-        )
+    check_optimizer_backend(args.optimizer, uses_deepspeed=accelerator.state.deepspeed_plugin is not None)
     if repo_id is not None and accelerator.is_main_process:
         repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
@@ -456,6 +454,13 @@ def main():
             if global_step % args.logging_steps == 0 or global_step == 1:
                 logger.info(f"step {global_step}: " + ", ".join(
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()))
+            # NOTE: validation first, so that a checkpoint of this step carries its validation.
+            if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
+                validation_results = validation_losses(model, validation_batches, budgets, accelerator)
+                validation_history.append({"step": global_step, "losses": {budget_label(b): r for b, r in
+                                                                           validation_results.items()}})
+                accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in
+                                 validation_results.items()}, step=global_step)
             saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
             if saved or outcome.stop:
                 checkpoint_now()
@@ -464,12 +469,6 @@ def main():
                                f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}.")
                 accelerator.end_training()
                 sys.exit(PREEMPTED_EXIT_CODE)
-            if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
-                validation_results = validation_losses(model, validation_batches, budgets, accelerator)
-                validation_history.append({"step": global_step, "losses": {budget_label(b): r for b, r in
-                                                                           validation_results.items()}})
-                accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in
-                                 validation_results.items()}, step=global_step)
     finally:
         # NOTE: shuts the DataLoader workers down now, also when the loop raised: they ignore SIGTERM, so at exit
         # multiprocessing would terminate them with SIGTERM and wait for them forever.
@@ -482,6 +481,11 @@ def main():
 
     # Final student: save_pretrained + image processor, loadable with AutoModel.from_pretrained.
     accelerator.wait_for_everyone()
+    if accelerator.num_processes > 1 and not (ds_plugin is not None and ds_plugin.zero_stage == 3):
+        if replicas_agree(accelerator, model):
+            logger.info(f"The weights agree on all {accelerator.num_processes} processes.")
+        else:
+            logger.error("The weights differ between processes: data parallelism broke; rank 0's copy is saved.")
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
     if accelerator.is_main_process:
         student_state = {k[len("student."):]: v for k, v in state_dict.items() if k.startswith("student.")}

@@ -18,9 +18,11 @@ import torch
 from transformers.integrations import HfDeepSpeedConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_config  # noqa: E402
+from conftest import tiny_config, tiny_dinov3_config  # noqa: E402
+from transformers import DINOv3ViTModel  # noqa: E402
 
 from veca_hf import VecaModel  # noqa: E402
+from veca_hf.distillation import init_patch_embeddings_from_teacher  # noqa: E402
 
 
 BUDGETS = (8, 16, 32)
@@ -56,9 +58,15 @@ def main() -> None:
         assert all(p.numel() == 0 for p in model.parameters()), "ZeRO-3 did not partition the parameters"
     else:
         model = VecaModel(config)
+    # the paper's start: the teacher's patch convolution copied in (under ZeRO-3 into partitioned parameters)
+    teacher = DINOv3ViTModel(tiny_dinov3_config())
+    init_patch_embeddings_from_teacher(model, teacher, "yes")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     engine.train()
     initial = full_state_dict(engine.module, args.stage == 3)
+    teacher_patch = teacher.embeddings.patch_embeddings
+    patch_copied = torch.equal(initial["embeddings.patch_embeddings.weight"], teacher_patch.weight) and torch.equal(
+        initial["embeddings.patch_embeddings.bias"], teacher_patch.bias)
 
     generator = torch.Generator().manual_seed(rank)
     projection = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -82,7 +90,7 @@ def main() -> None:
         engine.module.save_pretrained(save_dir, state_dict=dict(state_dict))  # NOTE: it empties the dict it gets
     torch.distributed.barrier()
 
-    result = {"world_size": world_size, "losses": losses}
+    result = {"world_size": world_size, "losses": losses, "patch_embedding_copied_from_teacher": patch_copied}
     if args.stage == 3:
         # from_pretrained under ZeRO-3 (transformers builds under zero.Init when it knows the DeepSpeed config)
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841  (kept alive: transformers holds a weak reference)

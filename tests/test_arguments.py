@@ -9,6 +9,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from veca_hf.arguments import parse_args_with_file
+from veca_hf.distillation import PAPER_STAGE2_RESOLUTION_SCHEDULE
 
 
 ROOT = Path(__file__).parent.parent
@@ -113,3 +114,20 @@ def test_every_example_loads_files_with_the_package_loader():
         source = (ROOT / "examples" / f"{name}.py").read_text()
         assert "parse_args_with_file(" in source, name
         assert "parse_yaml_file" not in source and "parse_json_file" not in source, name
+
+
+def test_paper_recipe_files_hold_the_papers_two_stages():
+    distill = _load_script("distill")
+    configs = ROOT / "examples" / "configs"
+    model, data, args = distill.parse_args([str(configs / "paper_stage1.yaml"), "--dataset_name", "my/objects365"])
+    assert (model.teacher_name_or_path, model.student_preset) == ("facebook/dinov3-vitb16-pretrain-lvd1689m", "veca-b16")
+    assert model.init_patch_embeddings_from_teacher == "yes" and data.resolution == "256"
+    assert (args.optimizer, args.learning_rate, args.min_learning_rate, args.weight_decay) == ("normuon", 4e-4, 5e-5, 0.015)
+    assert args.warmup_from_min_learning_rate and args.per_device_train_batch_size * 6 == 768
+    assert args.budgets is None and args.budget_weights is None  # the defaults: 8..64 weighted 1,1,2,2,3,3,4,4
+
+    model, data, args = distill.parse_args([str(configs / "paper_stage2.yaml"), "--dataset_name", "my/objects365"])
+    assert model.student_name_or_path == "outputs/veca-b16-stage1" and model.init_patch_embeddings_from_teacher == "no"
+    assert data.resolution == PAPER_STAGE2_RESOLUTION_SCHEDULE
+    assert (args.optimizer, args.learning_rate, args.min_learning_rate, args.weight_decay) == ("normuon", 8e-5, 3e-5, 0.01)
+    assert args.max_train_steps == 50_000 and args.warmup_from_min_learning_rate

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -307,3 +308,57 @@ def test_rerunning_a_finished_run_keeps_its_validation(workspace, tmp_path):
     assert set(again["validation"]) == {"8", "16"} and again["step"] == 2
     for budget, terms in first["validation"].items():
         assert again["validation"][budget]["loss"] == pytest.approx(terms["loss"], rel=1e-5)
+
+
+def test_normuon_run_logs_its_split_and_resumes_exactly(workspace, tmp_path):
+    """The paper's recipe end to end: NorMuon + AdamW, the teacher's patch embedding, warm-up from the minimum; a run
+    resumed from its step-2 checkpoint (optimiser state included) ends with the uninterrupted run's weights."""
+    recipe = dict(optimizer="normuon", init_patch_embeddings_from_teacher="yes", warmup_from_min_learning_rate="true",
+                  max_train_steps=4, checkpointing_steps=2, validation_steps=2)  # fmt: skip
+    result = run_distill(distill_args(workspace, tmp_path / "full", **recipe))
+    assert "NorMuon for 7 hidden matrices" in result.stderr  # 2 blocks x 4 linear weights, less the last MLP output
+    assert "Patch embedding copied from the teacher: weight (64, 3, 16, 16)" in result.stderr
+    history = json.loads((tmp_path / "full" / "distill_results.json").read_text())["validation_history"]
+    assert [h["step"] for h in history] == [2, 4] and set(history[0]["losses"]) == {"8", "16"}
+    optimizer_state = torch.load(tmp_path / "full" / "checkpoints" / "checkpoint-2" / "optimizer.bin", weights_only=False)
+    assert [group["use_muon"] for group in optimizer_state["param_groups"]] == [True, False, False]
+
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "checkpoint-2", resumed / "checkpoints" / "checkpoint-2")
+    run_distill(distill_args(workspace, resumed, resume_from_checkpoint="latest", **recipe))
+    full, again = load_file(tmp_path / "full" / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(full[key], again[key]) for key in full)
+    # the resumed run kept the validation history written before the checkpoint
+    assert json.loads((resumed / "distill_results.json").read_text())["validation_history"] == history
+
+    adamw = tmp_path / "adamw"
+    run_distill(distill_args(workspace, adamw, **{**recipe, "optimizer": "adamw"}))
+    assert not torch.equal(load_file(adamw / "model.safetensors")["encoder.layer.0.attention.qkv_proj.weight"],
+                           full["encoder.layer.0.attention.qkv_proj.weight"])  # fmt: skip
+
+
+def test_normuon_under_ddp_keeps_replicas_equal_and_skips_a_non_finite_step(workspace, tmp_path):
+    output_dir = tmp_path / "ddp-normuon"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29534"]
+    result = run_distill(distill_args(workspace, output_dir, optimizer="normuon", max_train_steps=3),
+                         launcher=launcher, env={"VECA_HF_TEST_NAN_TEACHER_STEPS": "2:1"})
+    assert "Step 2: non-finite loss or gradients (NaN or inf) on at least one process: step skipped" in result.stderr
+    assert "The weights agree on all 2 processes." in result.stderr
+    assert json.loads((output_dir / "distill_results.json").read_text())["nonfinite_steps"] == 1
+    assert all(torch.isfinite(value).all() for value in load_file(output_dir / "model.safetensors").values())
+
+
+def test_start_from_a_saved_student(workspace, tmp_path):
+    """Stage 2 starts from stage 1's folder: with a zero learning rate the weights come out as they went in, and the
+    patch embedding is not replaced by the teacher's under `auto`."""
+    torch.manual_seed(3)
+    VecaModel(tiny_config()).save_pretrained(tmp_path / "stage1")
+    args = without(distill_args(workspace, tmp_path / "stage2", max_train_steps=1, learning_rate=0.0,
+                                min_learning_rate=0.0, checkpointing_steps=0), "--student_config")  # fmt: skip
+    run_distill(args + ["--student_name_or_path", str(tmp_path / "stage1")])
+    before, after = load_file(tmp_path / "stage1" / "model.safetensors"), load_file(tmp_path / "stage2" / "model.safetensors")
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    result = run_distill(distill_args(workspace, tmp_path / "both", student_name_or_path=tmp_path / "stage1"), check=False)
+    assert result.returncode != 0 and "brings its own config; drop --student_config" in result.stderr

@@ -272,5 +272,5 @@ def test_validation_losses_are_per_budget_means_over_images(accelerator):
             per_image = [model(x[i : i + 1], budget, cls[i : i + 1], patches[i : i + 1])["loss"]
                          for x, cls, patches in batches for i in range(len(x))]  # fmt: skip
         assert results[budget]["loss"] == pytest.approx(float(torch.stack(per_image).mean()), rel=1e-5)
-        assert set(results[budget]) == {"loss", "global_loss", "dense_cosine_loss"}
+        assert set(results[budget]) == {"loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"}
     assert results[8]["loss"] != results[16]["loss"]

@@ -48,6 +48,18 @@ def any_process(accelerator, *flags: bool) -> list[bool]:
     return [value > 0 for value in values.tolist()]
 
 
+@torch.no_grad()
+def replicas_agree(accelerator, model: nn.Module) -> bool:
+    """Whether every process holds the same weights (data parallelism keeps replicas equal; a diverged one would
+    mean a broken step). One all-gather of two checksums per parameter; not for ZeRO-3's partitioned parameters."""
+    if accelerator.num_processes == 1:
+        return True
+    parameters = [p.detach().double() for p in model.parameters()]
+    checksums = torch.stack([torch.stack((p.sum(), p.abs().sum())) for p in parameters]).to(accelerator.device)
+    gathered = accelerator.gather(checksums.unsqueeze(0))  # (processes, P, 2)
+    return bool((gathered == gathered[:1]).all())
+
+
 def nonfinite_tensor_names(*objects: nn.Module | torch.optim.Optimizer) -> list[str]:
     """Names of the parameters, buffers and optimiser states of `objects` that hold a NaN or an infinity.
 
@@ -226,6 +238,7 @@ def ignore_sigterm(worker_id: int | None = None) -> None:
 
 
 __all__ = [
+    "replicas_agree",
     "PREEMPTED_EXIT_CODE",
     "NonFiniteStepsError",
     "StepGuard",

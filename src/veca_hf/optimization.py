@@ -92,8 +92,7 @@ def build_optimizer(
     Returns:
         `torch.optim.Optimizer`; with `"normuon"` its groups carry `use_muon` (True for the hidden matrices).
     """
-    if name not in OPTIMIZERS:
-        raise ValueError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}.")
+    check_optimizer_backend(name, uses_deepspeed=False)
     adamw_groups = get_parameter_groups(model, weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(adamw_groups, lr=learning_rate, betas=betas, eps=eps)
@@ -121,6 +120,18 @@ def build_optimizer(
         update_scale="preserve_norm",
         use_adjusted_lr=True,
     )
+
+
+def check_optimizer_backend(name: str, uses_deepspeed: bool) -> None:
+    """A clear error for an unknown optimiser, and for NorMuon under DeepSpeed (before any work)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}.")
+    if name == "normuon" and uses_deepspeed:
+        raise ValueError(
+            "--optimizer normuon does not run under DeepSpeed: NorMuon orthogonalises each hidden weight matrix "
+            "whole, but ZeRO flattens and partitions parameters and optimiser state across ranks. Launch with DDP "
+            "(examples/configs/multi_gpu.yaml) for NorMuon, or keep DeepSpeed with --optimizer adamw."
+        )
 
 
 def cosine_schedule_with_warmup(
@@ -162,6 +173,7 @@ __all__ = [
     "NO_DECAY_NAMES",
     "OPTIMIZERS",
     "build_optimizer",
+    "check_optimizer_backend",
     "cosine_schedule_with_warmup",
     "get_parameter_groups",
     "normuon_parameter_names",
