@@ -44,6 +44,7 @@ from veca_hf.distillation import (
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
+    before_after_table,
     build_student_config,
     check_teacher_student,
     compute_teacher_targets,
@@ -55,7 +56,14 @@ from veca_hf.distillation import (
     transform_normalization,
     validation_losses,
 )
-from veca_hf.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, nan_teacher_injected, replicas_agree
+from veca_hf.faults import (
+    PREEMPTED_EXIT_CODE,
+    StepGuard,
+    ignore_sigterm,
+    nan_teacher_injected,
+    pause_for_test,
+    replicas_agree,
+)
 from veca_hf.hub import resolve_teacher_on_all_ranks
 from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
 from veca_hf.optimization import (
@@ -344,6 +352,8 @@ def main():
         targets = compute_teacher_targets(teacher, pixel_values, student_config.patch_size,
                                           model_args.teacher_micro_batch_size, teacher_dtype)
         validation_batches.append((pixel_values, targets.cls, targets.patches))
+    num_validation_images = int(accelerator.reduce(torch.tensor(sum(len(b[0]) for b in validation_batches),
+                                                                device=accelerator.device), reduction="sum"))
 
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay,
                                 (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
@@ -373,6 +383,10 @@ def main():
                     **{key: process_state[key] for key in worker_keys if key in process_state}}
         logger.info(f"Resumed from {resume_path} at step {global_step} (epoch {position['epoch']}, "
                     f"batch {position['batches']} of it).")
+    if validation_batches and global_step == 0 and not validation_history:  # the student at initialisation
+        validation_history.append({"step": 0, "losses": {budget_label(b): r for b, r in
+                                                         validation_losses(model, validation_batches, budgets,
+                                                                           accelerator).items()}})
     share = " in this process's share" if accelerator.num_processes > 1 else ""
     if data_args.validation_split:
         empty_message = f"The training split {data_args.train_split!r} has no images{share}."
@@ -464,6 +478,7 @@ def main():
             saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
             if saved or outcome.stop:
                 checkpoint_now()
+            pause_for_test(global_step, guard)
             if outcome.stop:
                 logger.warning(f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "
                                f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}.")
@@ -504,10 +519,12 @@ def main():
                    "validation_history": validation_history}
         (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
         if validation_results:
-            print(f"\nValidation loss per budget after {global_step} steps ({validation_resolution}px):")
-            print("| budget C | loss | global (1-cos) | dense (1-cos) |\n|---|---|---|---|")
-            for b, r in validation_results.items():
-                print(f"| {budget_label(b)} | {r['loss']:.4f} | {r['global_loss']:.4f} | {r['dense_cosine_loss']:.4f} |")
+            before = validation_history[0]["losses"] if validation_history[0]["step"] == 0 else None
+            print("\n" + before_after_table(before, summary["validation"], global_step, validation_resolution,
+                                            num_validation_images))
+            print(f"Next: probe it (python examples/linear_probe.py --model_name_or_path {output_dir} ...), look at "
+                  f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
+                  "or train longer and larger (docs/training.md).")
         if model_args.student_type == "veca":
             zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
             write_model_card(

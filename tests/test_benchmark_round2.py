@@ -251,7 +251,7 @@ def test_gpu_check_dry_run(tmp_path):
     """Every stage at tiny sizes on CPU; the DeepSpeed stages are skipped with their reason (no CUDA here)."""
     if torch.cuda.is_available():
         pytest.skip("the dry run is the CPU path")
-    env = {**ENV, "GPU_CHECK_DRY_RUN": "1"}
+    env = {**ENV, "GPU_CHECK_DRY_RUN": "1", "PYTHON": sys.executable}  # the interpreter that runs the tests
     env.pop("OUT", None)
     completed = subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=400)  # fmt: skip

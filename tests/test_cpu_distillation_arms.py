@@ -37,7 +37,7 @@ def test_smoke_arms_write_gaps_curves_and_skip_finished_arms(study_inputs, tmp_p
         # held-out loss and its terms at every validation, for both students
         for kind, label in (("veca", "16"), ("dense", "dense")):
             history = arm["validation_history"][kind]
-            assert [h["step"] for h in history] == list(range(2, arm["settings"]["max_train_steps"] + 1, 2))
+            assert [h["step"] for h in history] == list(range(0, arm["settings"]["max_train_steps"] + 1, 2))
             assert set(history[-1]["losses"][label]) == {"loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"}
         # VECA minus dense, with paired intervals on the probes, and the patch cosines
         knn = arm["gaps"]["knn: VECA C=16 - dense"]

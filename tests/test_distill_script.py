@@ -94,7 +94,12 @@ def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tm
     result = run_distill(
         distill_args(workspace, output_dir, log_sample_sources="true", max_train_steps=6, checkpointing_steps=3)
     )
-    assert "Validation loss per budget" in result.stdout and "| 8 |" in result.stdout and "| 16 |" in result.stdout
+    # what the run did: held-out loss and cosines to the teacher at initialisation and after the last step
+    assert "Held-out images (4 at 32 px), before the first step -> after step 6:" in result.stdout
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| 8 |"))
+    assert row.count(" -> ") == 3 and "| 16 |" in result.stdout and "Next: probe it" in result.stdout
+    # one log line per checkpoint (Accelerate's own five are kept below WARNING)
+    assert result.stderr.count("Saved checkpoint") == 2 and "Random states saved" not in result.stderr
     summary = json.loads((output_dir / "distill_results.json").read_text())
     assert summary["step"] == 6
     assert summary["skipped_images"] >= 1  # the corrupt file was skipped, counted, and the run went on
@@ -158,7 +163,9 @@ def assert_same_final_weights(reference_dir: Path, resumed_dir: Path) -> None:
 
 
 def start_when_checkpoint_2_exists(command: list[str], output_dir: Path, **popen_kwargs) -> subprocess.Popen:
-    process = subprocess.Popen(command, env=run_env(), cwd=ROOT, **popen_kwargs)
+    """Starts the run; it waits after step 2 (a test hook) until it is signalled, so the test decides when it stops."""
+    env = {**run_env(), "VECA_HF_TEST_PAUSE_AFTER_STEP": "2"}
+    process = subprocess.Popen(command, env=env, cwd=ROOT, **popen_kwargs)
     deadline = time.time() + 240
     while not (output_dir / "checkpoints" / "checkpoint-2").is_dir():
         assert process.poll() is None, "the run ended before it could be interrupted"
@@ -319,7 +326,7 @@ def test_normuon_run_logs_its_split_and_resumes_exactly(workspace, tmp_path):
     assert "NorMuon for 7 hidden matrices" in result.stderr  # 2 blocks x 4 linear weights, less the last MLP output
     assert "Patch embedding copied from the teacher: weight (64, 3, 16, 16)" in result.stderr
     history = json.loads((tmp_path / "full" / "distill_results.json").read_text())["validation_history"]
-    assert [h["step"] for h in history] == [2, 4] and set(history[0]["losses"]) == {"8", "16"}
+    assert [h["step"] for h in history] == [0, 2, 4] and set(history[0]["losses"]) == {"8", "16"}
     optimizer_state = torch.load(tmp_path / "full" / "checkpoints" / "checkpoint-2" / "optimizer.bin", weights_only=False)
     assert [group["use_muon"] for group in optimizer_state["param_groups"]] == [True, False, False]
 

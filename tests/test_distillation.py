@@ -26,6 +26,7 @@ from veca_hf.distillation import (
     teacher_autocast_dtype,
     teacher_image_size,
     training_budgets,
+    before_after_table,
     validation_losses,
 )
 
@@ -274,3 +275,13 @@ def test_validation_losses_are_per_budget_means_over_images(accelerator):
         assert results[budget]["loss"] == pytest.approx(float(torch.stack(per_image).mean()), rel=1e-5)
         assert set(results[budget]) == {"loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"}
     assert results[8]["loss"] != results[16]["loss"]
+
+
+def test_before_after_table_shows_loss_and_cosines_per_budget():
+    before = {"8": {"loss": 4.5, "global_loss": 0.99, "dense_cosine_loss": 0.9}}
+    after = {"8": {"loss": 1.25, "global_loss": 0.09, "dense_cosine_loss": 0.3}}
+    table = before_after_table(before, after, step=120, resolution=224, num_images=3)
+    assert table.splitlines()[0] == "Held-out images (3 at 224 px), before the first step -> after step 120:"
+    assert table.splitlines()[-1] == "| 8 | 4.5000 -> 1.2500 | 0.0100 -> 0.9100 | 0.1000 -> 0.7000 |"
+    assert "before" not in before_after_table(None, after, 120, 224, 3) and "| 8 | 1.2500 | 0.9100 |" in (
+        before_after_table(None, after, 120, 224, 3))

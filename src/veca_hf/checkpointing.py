@@ -9,12 +9,15 @@ A failed save (disk full) removes its temporary folder and says so; older checkp
 (`total_limit`) only after the new one is complete, and non-finite weights or optimiser states are never saved.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
+import logging as python_logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from transformers.utils import logging
@@ -23,6 +26,22 @@ from .faults import any_process, nonfinite_tensor_names
 
 
 logger = logging.get_logger(__name__)
+
+# Accelerate logs five INFO lines per save (model, optimiser, scheduler, sampler, RNG): one of ours says it all.
+_ACCELERATE_LOGGERS = ("accelerate.accelerator", "accelerate.checkpointing")
+
+
+@contextlib.contextmanager
+def _accelerate_warnings_only() -> Iterator[None]:
+    loggers = [python_logging.getLogger(name) for name in _ACCELERATE_LOGGERS]
+    levels = [item.level for item in loggers]
+    for item in loggers:
+        item.setLevel(max(item.getEffectiveLevel(), python_logging.WARNING))
+    try:
+        yield
+    finally:
+        for item, level in zip(loggers, levels):
+            item.setLevel(level)
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 TRAINING_STATE_NAME = "training_state.json"
@@ -194,7 +213,8 @@ def save_checkpoint(accelerator, checkpoints_dir: str | Path, step: int, trainin
             shutil.rmtree(temporary, ignore_errors=True)
             temporary.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(temporary))
+        with _accelerate_warnings_only():
+            accelerator.save_state(str(temporary))
         _write_json(temporary / process_state_name(accelerator.process_index), process_state)
         if accelerator.is_main_process:
             _write_json(temporary / TRAINING_STATE_NAME, training_state)
@@ -248,7 +268,8 @@ def _rotate(checkpoints_dir: Path, total_limit: int) -> None:
 def load_checkpoint(accelerator, path: str | Path) -> tuple[dict, dict]:
     """Restores what `save_checkpoint` wrote; returns `(training_state, this process's state)`."""
     path = Path(path)
-    accelerator.load_state(str(path))
+    with _accelerate_warnings_only():
+        accelerator.load_state(str(path))
     training_state = json.loads((path / TRAINING_STATE_NAME).read_text())
     process_file = path / process_state_name(accelerator.process_index)
     if not process_file.is_file():

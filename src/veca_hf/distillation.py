@@ -602,6 +602,28 @@ def validation_losses(
                            "dense_cosine_loss": float(total[2]) / count, "dense_mse_loss": float(total[3]) / count}
     return results
 
+def before_after_table(before: dict | None, after: dict, step: int, resolution: int, num_images: int) -> str:
+    """What a run did, per budget, on held-out images: the loss and the cosine of the global and patch features to
+    the teacher's, at initialisation (`before`, `None` if unknown) and after `step` steps (`after`). Both are
+    `{budget label: terms}` from `validation_losses`; a cosine is `1 - ` its loss term."""
+
+    def cell(name: str, label: str, cosine: bool) -> str:
+        values = [terms[label][name] for terms in (before, after) if terms is not None and label in terms]
+        values = [1 - v if cosine else v for v in values]
+        return " -> ".join(f"{v:.4f}" for v in values)
+
+    lines = [
+        f"Held-out images ({num_images} at {resolution} px), "
+        + ("before the first step -> " if before else "") + f"after step {step}:",
+        "| budget C | loss (lower is better) | global cosine to the teacher | patch cosine to the teacher |",
+        "|---|---|---|---|",
+    ]
+    for label in after:
+        lines.append(f"| {label} | {cell('loss', label, False)} | {cell('global_loss', label, True)} | "
+                     f"{cell('dense_cosine_loss', label, True)} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_BUDGET_WEIGHTS",
@@ -614,6 +636,7 @@ __all__ = [
     "StudentWithLoss",
     "TeacherTargets",
     "WeightedChoice",
+    "before_after_table",
     "build_student_config",
     "check_teacher_student",
     "compute_teacher_targets",

@@ -24,6 +24,7 @@ if outcome.stop:
 import math
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -227,6 +228,21 @@ def nan_teacher_injected(step: int, process_index: int) -> bool:
     return False
 
 
+# A test hook: "STEP" makes the run wait after that optimiser step (and its checkpoint) until it is signalled, so that a
+# test, not a race, decides when a run is interrupted.
+PAUSE_ENV = "VECA_HF_TEST_PAUSE_AFTER_STEP"
+
+
+def pause_for_test(step: int, guard: "StepGuard") -> None:
+    """Under the test hook `VECA_HF_TEST_PAUSE_AFTER_STEP`, after that step: wait until SIGTERM asks the guard to stop
+    (the run then goes on to its next step, checkpoints and exits) or the process is killed."""
+    if os.environ.get(PAUSE_ENV, "") != str(step):
+        return
+    logger.warning(f"Paused after step {step} (test hook {PAUSE_ENV}).")
+    while not guard.stop_requested:
+        time.sleep(0.02)
+
+
 def ignore_sigterm(worker_id: int | None = None) -> None:
     """A DataLoader `worker_init_fn`: workers ignore SIGTERM, so that a SIGTERM sent to the whole process group
     (SLURM does) leaves them serving the main process until it has written its checkpoint.
@@ -238,7 +254,6 @@ def ignore_sigterm(worker_id: int | None = None) -> None:
 
 
 __all__ = [
-    "replicas_agree",
     "PREEMPTED_EXIT_CODE",
     "NonFiniteStepsError",
     "StepGuard",
@@ -247,5 +262,7 @@ __all__ = [
     "gradients_are_finite",
     "ignore_sigterm",
     "nan_teacher_injected",
+    "pause_for_test",
     "nonfinite_tensor_names",
+    "replicas_agree",
 ]
