@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser
 
 from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
-from veca_hf.arguments import parse_args_with_file
+from veca_hf.arguments import parse_args_with_file, redact_secrets
 from veca_hf.checkpointing import load_checkpoint, resolve_resume_path, save_checkpoint
 from veca_hf.data import (
     ImageStream,
@@ -398,8 +398,10 @@ def main():
         )
     batches = infinite_batches(train_stream, loader_kwargs, args.seed, position, empty_message)
 
+    # Credentials never reach a checkpoint or a tracker.
+    run_arguments = redact_secrets({**asdict(model_args), **asdict(data_args), **asdict(args)})
     if args.report_to != "none":
-        accelerator.init_trackers("veca_distill", config={**asdict(model_args), **asdict(data_args), **asdict(args)})
+        accelerator.init_trackers("veca_distill", config=run_arguments)
     logger.info(f"Student: {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M parameters, "
                 f"{accelerator.num_processes} process(es), budgets {budgets}, resolutions {resolutions.resolutions}.")
 
@@ -408,7 +410,7 @@ def main():
             accelerator, checkpoints_dir, global_step,
             training_state={"step": global_step, "num_processes": accelerator.num_processes, **guard.state_dict(),
                             "validation_history": validation_history,
-                            "args": {**asdict(model_args), **asdict(data_args), **asdict(args)}},
+                            "args": run_arguments},
             process_state={**position, "images_seen": images_seen, "skipped_images": skipped},
             total_limit=args.checkpoints_total_limit,
             check_finite=(model, optimizer),

@@ -131,3 +131,20 @@ def test_paper_recipe_files_hold_the_papers_two_stages():
     assert data.resolution == PAPER_STAGE2_RESOLUTION_SCHEDULE
     assert (args.optimizer, args.learning_rate, args.min_learning_rate, args.weight_decay) == ("normuon", 8e-5, 3e-5, 0.01)
     assert args.max_train_steps == 50_000 and args.warmup_from_min_learning_rate
+
+
+def test_redact_secrets_hides_tokens_and_storage_keys_at_any_depth():
+    from veca_hf.arguments import redact_secrets
+
+    values = {
+        "hub_token": "hf_abc", "learning_rate": 1e-3, "push_to_hub": True, "hub_model_id": "me/x",
+        "storage_options": '{"key": "AKIA123", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://127.0.0.1"}}',
+        "nested": {"aws_secret_access_key": "s3cr3t", "token": None, "items": [{"password": "p"}]},
+    }  # fmt: skip
+    redacted = redact_secrets(values)
+    assert redacted["hub_token"] == "<HUB_TOKEN>" and redacted["learning_rate"] == 1e-3 and redacted["push_to_hub"]
+    assert json.loads(redacted["storage_options"]) == {
+        "key": "<REDACTED>", "secret": "<REDACTED>", "client_kwargs": {"endpoint_url": "http://127.0.0.1"}}
+    assert redacted["nested"] == {"aws_secret_access_key": "<REDACTED>", "token": None, "items": [{"password": "<REDACTED>"}]}
+    assert "hf_abc" not in json.dumps(redacted) and "s3cr3t" not in json.dumps(redacted)
+    assert values["hub_token"] == "hf_abc"  # a copy

@@ -369,3 +369,34 @@ def test_start_from_a_saved_student(workspace, tmp_path):
     assert all(torch.equal(before[key], after[key]) for key in before)
     result = run_distill(distill_args(workspace, tmp_path / "both", student_name_or_path=tmp_path / "stage1"), check=False)
     assert result.returncode != 0 and "brings its own config; drop --student_config" in result.stderr
+
+
+def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monkeypatch, capfd):
+    """A fake Hub token through a run with checkpoints, a tensorboard tracker, a model card and an upload (the Hub's
+    API replaced by a recorder): no file the run wrote and nothing it printed holds the token."""
+    import importlib.util
+
+    import huggingface_hub
+
+    token = "hf_FAKEtokenNEVERonDISK0123456789"
+    uploads = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, repo_id, **kw: huggingface_hub.RepoUrl(f"https://huggingface.co/me/{repo_id.split('/')[-1]}"))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: uploads.append(kw))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = importlib.util.spec_from_file_location("distill_secrets", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    output_dir = tmp_path / "secret-run"
+    argv = distill_args(workspace, output_dir, max_train_steps=2, checkpointing_steps=1, report_to="tensorboard",
+                        model_card_latency="false") + ["--push_to_hub", "--hub_token", token]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["distill.py", *argv])
+    script.main()
+    assert len(uploads) == 1  # the upload happened (with the token, held by the API object only)
+    written = [path for path in output_dir.rglob("*") if path.is_file()]
+    assert any("events.out.tfevents" in p.name for p in written) and any(p.name == "training_state.json" for p in written)
+    assert [p for p in written if token.encode() in p.read_bytes()] == []
+    state = json.loads(next(p for p in written if p.name == "training_state.json").read_text())
+    assert state["args"]["hub_token"] == "<HUB_TOKEN>"
+    out, err = capfd.readouterr()
+    assert token not in out and token not in err

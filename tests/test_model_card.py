@@ -150,8 +150,11 @@ def test_converter_writes_a_card(tmp_path, fake_hub):
 
 def test_converter_pushes_to_the_output_folder_name(tmp_path, fake_hub, capsys):
     output_dir = tmp_path / "veca-tiny-converted"
+    token = "hf_FAKEconverterTOKEN0123456789"
     convert_main(["--checkpoint", str(FIXTURES / "tiny_reference.pth"), "--output-dir", str(output_dir),
-                  "--push_to_hub", "--no_latency"])  # fmt: skip
+                  "--push_to_hub", "--hub_token", token, "--no_latency"])  # fmt: skip
+    # the token is used, never written or printed
+    assert not [p for p in output_dir.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
     # created before converting (a bad login fails at once), under the output folder's name
     assert fake_hub["create_repo"][0][0] == "veca-tiny-converted"
     (upload,) = fake_hub["upload_folder"]
@@ -159,7 +162,8 @@ def test_converter_pushes_to_the_output_folder_name(tmp_path, fake_hub, capsys):
     card = ModelCard.load(output_dir / "README.md")
     assert 'AutoModel.from_pretrained("me/veca-tiny-converted")' in card.text  # the full id, known before the card
     assert card.data.base_model is None  # the tiny fixture matches no preset, so no teacher is claimed
-    assert "https://huggingface.co/me/veca-tiny-converted" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "https://huggingface.co/me/veca-tiny-converted" in out and token not in out + err
 
 
 def test_converter_refuses_hub_flags_without_push(tmp_path, fake_hub, capsys):

@@ -23,9 +23,45 @@ import yaml
 from transformers import HfArgumentParser
 
 
-__all__ = ["ARGS_FILE_SUFFIXES", "parse_args_with_file"]
+__all__ = ["ARGS_FILE_SUFFIXES", "parse_args_with_file", "redact_secrets"]
 
 ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+# Names of values that are credentials, by a part of their (lower-case) name: Hub tokens, storage keys and secrets.
+_SECRET_NAME_PARTS = ("token", "secret", "password", "credential", "key")
+_NOT_SECRET_NAMES = ("key_prefix", "keys", "push_to_hub")
+
+
+def _is_secret_name(name: str) -> bool:
+    name = name.lower()
+    return name not in _NOT_SECRET_NAMES and any(part in name for part in _SECRET_NAME_PARTS)
+
+
+def redact_secrets(values):
+    """
+    A copy of `values` (arguments as a dict, possibly nested, with JSON strings such as `--storage_options`) in which
+    every credential is replaced by a placeholder, the way `TrainingArguments` writes `<HUB_TOKEN>`: `hub_token` ->
+    `"<HUB_TOKEN>"`, and any other value whose name holds "token", "secret", "password", "credential" or "key" ->
+    `"<REDACTED>"`. Use it for everything that reaches a disk, a log or a tracker.
+    """
+    if isinstance(values, dict):
+        redacted = {}
+        for name, value in values.items():
+            if value is not None and value != "" and _is_secret_name(str(name)) and not isinstance(value, (dict, bool)):
+                redacted[name] = f"<{str(name).upper()}>" if str(name).endswith("_token") else "<REDACTED>"
+            else:
+                redacted[name] = redact_secrets(value)
+        return redacted
+    if isinstance(values, (list, tuple)):
+        return type(values)(redact_secrets(value) for value in values)
+    if isinstance(values, str) and values.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(values)
+        except ValueError:
+            return values
+        return json.dumps(redact_secrets(parsed)) if isinstance(parsed, dict) else values
+    return values
 
 
 def _read_args_file(path: str) -> dict:
