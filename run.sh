@@ -2,6 +2,7 @@
 # One entry point that does all set-up on a fresh machine, then runs a job.
 #   bash run.sh            the main job (a small offline distillation / demo on embedded defaults)
 #   bash run.sh test       the test suite (what CI runs)
+#   bash run.sh lint       ruff check and ruff format --check (CI runs it before the tests)
 # Extra arguments are passed to the job (pytest flags for `test`).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -29,13 +30,17 @@ case "$job" in
         export HF_HUB_OFFLINE=1
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
+    lint)
+        "$VENV/bin/ruff" check . "$@"
+        exec "$VENV/bin/ruff" format --check .
+        ;;
     main)
         # Real photos from the scikit-image / scikit-learn wheels, then a small distillation on 2 CPU cores.
         "$VENV/bin/python" -m veca_hf.demo photos outputs/demo/photos
         exec "$VENV/bin/python" examples/distill.py examples/configs/demo_cpu.yaml "$@"
         ;;
     *)
-        echo "unknown job '$job': use 'bash run.sh' (main job) or 'bash run.sh test'" >&2
+        echo "unknown job '$job': use 'bash run.sh' (main job), 'bash run.sh test' or 'bash run.sh lint'" >&2
         exit 2
         ;;
 esac

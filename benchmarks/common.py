@@ -43,7 +43,9 @@ def argument_parser(description: str, resolutions: list[int]) -> argparse.Argume
     """A parser with the arguments every model benchmark takes: `--size`, `--tiny`, `--resolutions` (default
     `resolutions`), `--device`, `--threads` and `--seed`."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--size", default="veca-b16", choices=["veca-s16", "veca-b16", "veca-l16"], help="VECA preset.")
+    parser.add_argument(
+        "--size", default="veca-b16", choices=["veca-s16", "veca-b16", "veca-l16"], help="VECA preset."
+    )
     parser.add_argument("--tiny", action="store_true", help="Shrink width/depth to 64/2 (smoke tests only).")
     parser.add_argument("--resolutions", type=int_list, default=resolutions, help="Square sides, px.")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -214,7 +214,9 @@ def run_arm(args: ArmsArguments, key: str, arm: Arm, teacher: str, data_dir: Pat
 
 
 def _probe(arm: dict, model: str, budget, task: str) -> dict | None:
-    return next((p for p in arm["probes"] if p["model"] == model and p["budget"] == budget and p["task"] == task), None)
+    return next(
+        (p for p in arm["probes"] if p["model"] == model and p["budget"] == budget and p["task"] == task), None
+    )
 
 
 def _alignment(arm: dict, model: str, budget, images: str) -> dict | None:
@@ -249,7 +251,10 @@ def arm_gaps(arm: dict, high: int, low: int, seed: int = 0) -> dict:
             if first and second and feature in first and feature in second:
                 for kind in ("cosine", "centred_cosine"):
                     gaps[f"{feature} {kind.replace('_', ' ')} to the teacher ({images}): VECA C={high} - dense"] = {
-                        "value": first[feature][kind] - second[feature][kind], "interval": None, "unit": "cosine"}
+                        "value": first[feature][kind] - second[feature][kind],
+                        "interval": None,
+                        "unit": "cosine",
+                    }
     return gaps
 
 
@@ -268,14 +273,18 @@ def goal(gaps: dict, high: int, low: int) -> dict:
 def markdown(report: dict) -> str:
     high, low = report["budgets"]["high"], report["budgets"]["low"]
     lines = [
-        f"| arm | model | C | 20-NN % [95% CI] | linear % [95% CI] | held-out loss | global 1-cos | patch 1-cos | "
+        "| arm | model | C | 20-NN % [95% CI] | linear % [95% CI] | held-out loss | global 1-cos | patch 1-cos | "
         "patch MSE | cos global FMNIST (centred) | cos patches FMNIST (centred) | cos patches photos (centred) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pct(p):
-        return "–" if p is None else f"{100 * p['value']:.2f}" + (
-            f" [{100 * p['interval'][0]:.1f}, {100 * p['interval'][1]:.1f}]" if p.get("interval") else "")
+        return (
+            "–"
+            if p is None
+            else f"{100 * p['value']:.2f}"
+            + (f" [{100 * p['interval'][0]:.1f}, {100 * p['interval'][1]:.1f}]" if p.get("interval") else "")
+        )
 
     def cos(a, feature):
         if a is None or feature not in a:
@@ -290,18 +299,27 @@ def markdown(report: dict) -> str:
             fm = _alignment(arm, model, budget, "fashion_mnist_test")
             photos = _alignment(arm, model, budget, "heldout_photos")
             lines.append(
-                f"| {arm['arm']}. {arm['name']} | {model} | {budget or '–'} | {pct(_probe(arm, model, budget, 'knn'))} | "
+                f"| {arm['arm']}. {arm['name']} | {model} | {budget or '–'} | "
+                f"{pct(_probe(arm, model, budget, 'knn'))} | "
                 f"{pct(_probe(arm, model, budget, 'classification'))} | "
-                + " | ".join(f"{loss[t]:.4f}" if t in loss else "–" for t in
-                             ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"))
+                + " | ".join(
+                    f"{loss[t]:.4f}" if t in loss else "–"
+                    for t in ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss")
+                )
                 + f" | {cos(fm, 'global')} | {cos(fm, 'patches')} | {cos(photos, 'patches')} |"
             )
-    lines += ["", "Gaps, VECA minus its dense control (negative: VECA worse on accuracies and cosines; positive: VECA "
-              "worse on losses), 95% paired-bootstrap intervals over the 5,000 test images:", ""]
+    lines += [
+        "",
+        "Gaps, VECA minus its dense control (negative: VECA worse on accuracies and cosines; positive: VECA "
+        "worse on losses), 95% paired-bootstrap intervals over the 5,000 test images:",
+        "",
+    ]
     for arm in report["arms"]:
-        lines.append(f"**{arm['arm']}. {arm['name']}** ({arm['description']}); goal "
-                     f"{'met' if arm['goal']['met'] else 'not met'}: "
-                     + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in arm["goal"].items() if k != "met"))
+        lines.append(
+            f"**{arm['arm']}. {arm['name']}** ({arm['description']}); goal "
+            f"{'met' if arm['goal']['met'] else 'not met'}: "
+            + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in arm["goal"].items() if k != "met")
+        )
         lines.append("")
         for name, gap in arm["gaps"].items():
             interval = gap.get("interval")
@@ -320,14 +338,14 @@ def plot(report: dict, path: Path) -> None:
     high = str(report["budgets"]["high"])
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for color, arm in zip(colors, report["arms"]):
+    for color, arm in zip(colors, report["arms"], strict=False):
         history = arm["validation_history"]
         curves = {kind: [(h["step"], h["losses"][high if kind == "veca" else "dense"]) for h in history[kind]]
                   for kind in ("veca", "dense")}  # fmt: skip
         label = f"{arm['arm']}. {arm['name']}"
         for kind, style in (("veca", "-"), ("dense", ":")):
             if curves[kind]:
-                steps, losses = zip(*curves[kind])
+                steps, losses = zip(*curves[kind], strict=True)
                 axes[0].plot(steps, [x["loss"] for x in losses], style, marker="o", color=color, markersize=3,
                              label=f"{label}, {'VECA C=' + high if kind == 'veca' else 'dense'}")  # fmt: skip
         dense = dict(curves["dense"])
@@ -395,8 +413,11 @@ def main(argv: list[str] | None = None) -> dict:
     from veca_hf.demo import offline_photos
     from veca_hf.hub import resolve_teacher
 
-    teacher = str(resolve_teacher(args.teacher_name_or_path,
-                                  Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser(), allow_fallback=True))
+    teacher = str(
+        resolve_teacher(
+            args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser(), allow_fallback=True
+        )
+    )
     photos_dir = Path(args.photos_dir) if args.photos_dir else offline_photos(output_dir / "photos")
     data_dir = output_dir / "data"
     base.prepare_data(args, photos_dir, data_dir)  # the pool of the second study (its resolution: 112 px views)

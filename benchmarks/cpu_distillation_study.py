@@ -104,8 +104,8 @@ class StudyArguments:
 # NOTE: grouped by stage, several to a line. student_overrides: the width of the tiny test teacher (the cosine needs
 # equal widths).
 SMOKE_OVERRIDES = dict(
-    student_overrides='{"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, '
-    '"num_core_tokens": 16}',
+    student_overrides='{"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, '
+    '"intermediate_size": 128, "num_core_tokens": 16}',
     photo_crops=4, heldout_photos=2, heldout_photo_crops=2, validation_fashion_mnist=8, num_shards=2, resolution=32,
     budgets="8,16", budget_weights="1,1", max_train_steps=4, per_device_train_batch_size=2, warmup_steps=1,
     checkpointing_steps=2, shuffle_buffer_size=16, dataloader_num_workers=0,
@@ -379,9 +379,7 @@ def summarize(args: StudyArguments, paths: dict, probe_results: list, alignment:
         if all(key in correct for key in keys):
             with np.errstate(divide="ignore", invalid="ignore"):
                 value = float(statistic(*(accuracy[key] for key in keys)))
-            interval = evaluation.paired_bootstrap_interval(
-                statistic, *(correct[key] for key in keys), seed=args.seed
-            )
+            interval = evaluation.paired_bootstrap_interval(statistic, *(correct[key] for key in keys), seed=args.seed)
             checks[name] = {"value": value, "interval": list(interval), "threshold": threshold, "unit": unit,
                             "met": bool(meets(value))}  # fmt: skip
 
@@ -407,17 +405,19 @@ def summarize(args: StudyArguments, paths: dict, probe_results: list, alignment:
             lambda x: gain_kept_met(x, high_gain, 0.95), "fraction of the gain",
         )  # fmt: skip
         if name in checks and not high_gain > 0:
-            checks[name]["note"] = (f"undefined: VECA C={high} is {-100 * high_gain:.2f} points below the random VECA, "
-                                    "so it has no gain to keep")  # fmt: skip
+            checks[name]["note"] = (
+                f"undefined: VECA C={high} is {-100 * high_gain:.2f} points below the random VECA, so it has no gain "
+                "to keep"
+            )
     budgets = sorted(int(b) for b in validation["veca"])
     losses = [validation["veca"][str(b)]["loss"] for b in budgets]
-    rises = [b - a for a, b in zip(losses, losses[1:])]
+    rises = [b - a for a, b in zip(losses, losses[1:], strict=False)]
     checks[f"3b. the held-out distillation loss does not rise with C ({budgets[0]} to {budgets[-1]})"] = {
         "value": max(rises, default=0.0) / losses[0],
         "interval": None,
         "threshold": 1e-3,
         "unit": "largest rise between neighbouring budgets, relative",
-        "losses": dict(zip(map(str, budgets), losses)),
+        "losses": dict(zip(map(str, budgets), losses, strict=False)),
         "met": all(rise <= 1e-3 * losses[0] for rise in rises),
     }
     at_high = next((r for r in table if r["model"] == "veca" and r["budget"] == high), {})
@@ -427,7 +427,7 @@ def summarize(args: StudyArguments, paths: dict, probe_results: list, alignment:
             "value": min(cosines.values()),
             "interval": None,
             "threshold": 0.9,
-            "unit": "cosine (lowest of " + ", ".join(k[len("cosine_"):] for k in cosines) + ")",
+            "unit": "cosine (lowest of " + ", ".join(k[len("cosine_") :] for k in cosines) + ")",
             "per_set": cosines,
             "met": min(cosines.values()) >= 0.9,
         }
@@ -481,9 +481,11 @@ def markdown(summary: dict) -> str:
         "",
         "| C | " + " | ".join(veca) + " | dense |",
         "|---|" + "---|" * (len(veca) + 1),
-        "| loss | " + " | ".join(f"{r['loss']:.4f}" for r in veca.values())
+        "| loss | "
+        + " | ".join(f"{r['loss']:.4f}" for r in veca.values())
         + f" | {summary['validation']['dense']['dense']['loss']:.4f} |",
-        "| global 1-cos | " + " | ".join(f"{r['global_loss']:.4f}" for r in veca.values())
+        "| global 1-cos | "
+        + " | ".join(f"{r['global_loss']:.4f}" for r in veca.values())
         + f" | {summary['validation']['dense']['dense']['global_loss']:.4f} |",
         "",
         "Targets (point estimate; 95% paired-bootstrap interval over the test images where given):",
@@ -520,7 +522,7 @@ def plot(summary: dict, output_dir: Path) -> Path:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
 
-    for axis, (task, label) in zip(axes, panels):
+    for axis, (task, label) in zip(axes, panels, strict=False):
         for role, marker in (("veca", "o"), ("random", "s")):
             points = sorted((r["budget"], r) for r in table if r["model"] == role and task in r)
             if points:
@@ -550,7 +552,7 @@ def plot(summary: dict, output_dir: Path) -> Path:
                                 if r["model"] == role and prefix + images in r)  # fmt: skip
                 if points:
                     name = f"{ROLES[role]}, {images.replace('_', ' ')}{', centred' if 'centred' in prefix else ''}"
-                    axis.plot(*zip(*points), marker=marker, linestyle=style, color=color, label=name,
+                    axis.plot(*zip(*points, strict=True), marker=marker, linestyle=style, color=color, label=name,
                               alpha=1.0 if role == "veca" else 0.5)  # fmt: skip
             dense = next((r[prefix + images] for r in table if r["model"] == "dense" and prefix + images in r), None)
             if dense is not None and prefix == "cosine_":
@@ -576,8 +578,9 @@ def main(argv: list[str] | None = None) -> dict:
     from veca_hf.hub import resolve_teacher
 
     # The study is documented to use the offline DINOv2-S/14 when the Hub is unreachable: it opts in, here, once.
-    teacher = resolve_teacher(args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser(),
-                              allow_fallback=True)
+    teacher = resolve_teacher(
+        args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser(), allow_fallback=True
+    )
     photos_dir = Path(args.photos_dir) if args.photos_dir else offline_photos(output_dir / "photos")
     paths = {
         "teacher": teacher,
@@ -602,8 +605,8 @@ def main(argv: list[str] | None = None) -> dict:
     save_random_veca(args, paths["random"])
     probe_dirs = {"probe_trained": output_dir / "probes", "probe_random": output_dir / "probes_random"}
     trained = [teacher, str(paths["veca"]), str(paths["dense"])]
-    run_stage("probe_trained", probe_command(args, trained, args.probe_budgets, probe_dirs["probe_trained"], cache_dir),
-              probe_dirs["probe_trained"] / "results.json", logs, timings)  # fmt: skip
+    trained_command = probe_command(args, trained, args.probe_budgets, probe_dirs["probe_trained"], cache_dir)
+    run_stage("probe_trained", trained_command, probe_dirs["probe_trained"] / "results.json", logs, timings)
     run_stage("probe_random", probe_command(args, [str(paths["random"])], args.random_probe_budgets,
                                             probe_dirs["probe_random"], cache_dir),
               probe_dirs["probe_random"] / "results.json", logs, timings)  # fmt: skip

@@ -33,7 +33,6 @@ from typing import Any
 
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
 import scaling
-
 import torch
 import torch.nn.functional as F
 
@@ -184,8 +183,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "args": vars(args),
         "machine": machine,
-        "teacher": {"source": args.teacher or "random DINOv3", "hidden_size": teacher.config.hidden_size,
-                    "dtype": args.teacher_dtype},  # fmt: skip
+        "teacher": {
+            "source": args.teacher or "random DINOv3",
+            "hidden_size": teacher.config.hidden_size,
+            "dtype": args.teacher_dtype,
+        },  # fmt: skip
         "teacher_bf16_vs_fp32": {str(r): a for r, a in agreement.items()},
         "teacher_bf16_within_tolerance": bf16_ok,
         "points": points,

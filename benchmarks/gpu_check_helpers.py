@@ -2,9 +2,9 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """Helpers of `benchmarks/gpu_check.sh` (no Hub needed):
 
-    python benchmarks/gpu_check_helpers.py workspace DIR       # tiny random DINOv3 teacher, student config, images
-    python benchmarks/gpu_check_helpers.py compare RUN_A RUN_B # max |difference| of two saved students' weights
-    python benchmarks/gpu_check_helpers.py report OUT          # the compact table, and OUT/gpu_check.json
+python benchmarks/gpu_check_helpers.py workspace DIR       # tiny random DINOv3 teacher, student config, images
+python benchmarks/gpu_check_helpers.py compare RUN_A RUN_B # max |difference| of two saved students' weights
+python benchmarks/gpu_check_helpers.py report OUT          # the compact table, and OUT/gpu_check.json
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def report(out: Path) -> None:
                   f"{cell(r['flop_ratio'] if 'VECA' in r['model'] else None, '.3f')} |"
                   + (f" {r['error']}" if r["error"] else ""))  # fmt: skip
     if result["precision"]:
-        print("\n| model | check | res | min cos tokens | min cos pooler | rel err | ok |\n|---|---|---|---|---|---|---|")
+        print(
+            "\n| model | check | res | min cos tokens | min cos pooler | rel err | ok |\n|---|---|---|---|---|---|---|"
+        )
         for r in result["precision"]:
             print(f"| {r['model']} | {r['check']} | {r['resolution']} | {r['last_hidden_state_cosine_min']:.5f} | "
                   f"{r['pooler_output_cosine_min']:.5f} | {r['relative_error']:.1e} | {r['passed']} |")  # fmt: skip

@@ -120,14 +120,17 @@ def build_point(spec: dict[str, Any]):
     from veca_hf.distillation import DistillationLoss, StudentWithLoss, dense_student_config, get_parameter_groups
 
     args = scaling.parse_args(
-        ["--size", spec["size"], "--budgets", str(spec["budget"]), "--attn_implementation", spec["attn_implementation"],
-         "--output_dir", "unused"] + (["--tiny"] if spec["tiny"] else [])
+        ["--size", spec["size"], "--budgets", str(spec["budget"]),
+         "--attn_implementation", spec["attn_implementation"], "--output_dir", "unused"]
+        + (["--tiny"] if spec["tiny"] else [])
     )  # fmt: skip
     veca_config, dinov3_config = scaling.build_configs(args)
     device = torch.device(spec["device"])
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16) if spec["dtype"] == "bf16_autocast" else contextlib.nullcontext()
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if spec["dtype"] == "bf16_autocast"
+        else contextlib.nullcontext()
     )
     torch.manual_seed(spec["seed"])
     r, b, c = spec["resolution"], spec["batch_size"], spec["budget"]
@@ -233,7 +236,7 @@ def run_point(context, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 def fit_loglog(xs: list[float], ys: list[float]) -> dict[str, float] | None:
     """Least-squares line through `(log x, log y)`: `slope`, `log_intercept` (natural log), `r2`."""
-    pairs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    pairs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=False) if x > 0 and y > 0]
     if len(pairs) < 2 or len({p[0] for p in pairs}) < 2:
         return None
     mx = sum(p[0] for p in pairs) / len(pairs)
@@ -293,7 +296,8 @@ def summarize(points: list[dict], args) -> dict[str, Any]:
                 last = sorted(mine, key=lambda p: p["num_patches"])[-2:]
                 local = fit_loglog([p["num_patches"] for p in last], [p["call_peak_mb"] for p in last])
                 out["fits"][f"{key} (two largest, for the limit)"] = local and {
-                    **local, "fitted_resolutions": [p["resolution"] for p in last]
+                    **local,
+                    "fitted_resolutions": [p["resolution"] for p in last],
                 }
                 every = [p for p in points if p["phase"] == phase and p["model"] == model]
                 out["largest_resolution"][key] = largest_resolution(every, local, limit_mb)
@@ -317,8 +321,9 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["points"]:
-        def f(key, spec=".1f"):
-            return "-" if p.get(key) is None else format(p[key], spec)
+
+        def f(key, spec=".1f", point=p):
+            return "-" if point.get(key) is None else format(point[key], spec)
 
         out.append(
             f"| {p['phase']} | {p['model']} | {p['resolution']} | {p['num_patches']} | {f('peak_mb')} | "
@@ -398,14 +403,17 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else cpu_model(),
         "start_method": context.get_start_method(),
     }
-    plan = [("inference", r) for r in sorted(args.resolutions)] + [("train", r) for r in sorted(args.train_resolutions)]
+    plan = [("inference", r) for r in sorted(args.resolutions)] + [
+        ("train", r) for r in sorted(args.train_resolutions)
+    ]
     points = []
     failed: set = set()
     for phase, resolution in plan:
         for model in MODELS:  # the two models of one resolution back to back
             spec = {"phase": phase, "model": model, "resolution": resolution, "size": args.size, "tiny": args.tiny,
                     "budget": args.budget, "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
-                    "attn_implementation": args.attn_implementation, "threads": args.threads, "seed": args.seed}  # fmt: skip
+                    "attn_implementation": args.attn_implementation, "threads": args.threads,
+                    "seed": args.seed}  # fmt: skip
             point = {k: spec[k] for k in ("phase", "model", "resolution")} | {"num_patches": (resolution // 16) ** 2}
             if (phase, model) in failed:
                 point["error"] = "skipped: a smaller resolution already failed"
@@ -414,8 +422,13 @@ def main(argv: list[str] | None = None) -> dict:
                 if point.get("error"):
                     failed.add((phase, model))
             points.append(point)
-            shown = "failed: " + point["error"] if point.get("error") else (
-                f"peak {point['peak_mb']:.1f} MB, call peak {point['call_peak_mb']:.1f} MB, {point['seconds']:.2f} s"
+            shown = (
+                "failed: " + point["error"]
+                if point.get("error")
+                else (
+                    f"peak {point['peak_mb']:.1f} MB, call peak {point['call_peak_mb']:.1f} MB, "
+                    f"{point['seconds']:.2f} s"
+                )
             )
             print(f"{phase:9s} {model:6s} {resolution:5d} px  {shown}", flush=True)
     summary = summarize(points, args)

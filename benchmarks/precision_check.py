@@ -38,7 +38,6 @@ from typing import Any
 
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
 import scaling
-
 import torch
 import torch.nn.functional as F
 
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cpu":
         machine["bf16"] = cpu_bf16_support(args.bf16_probe_size or None)
         b = machine["bf16"]
-        timing = (f", torch.mm {b['mm_size']}^2 bf16/fp32 x{b['bf16_speedup']:.2f}" if b.get("mm_size") else "")
+        timing = f", torch.mm {b['mm_size']}^2 bf16/fp32 x{b['bf16_speedup']:.2f}" if b.get("mm_size") else ""
         print(f"CPU {b['cpu_model']}: bf16 flags {b['flags']}{timing}; fast bf16: {b['fast_bf16']}", flush=True)
     else:
         machine["device_name"] = torch.cuda.get_device_name()
@@ -173,9 +172,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "passed": worst >= args.min_cosine}  # fmt: skip
                 rows.append(row)
                 print(
-                    f"{name:6s} {check:13s} {resolution:5d} px  cos tokens mean {row['last_hidden_state_cosine_mean']:.6f}"
+                    f"{name:6s} {check:13s} {resolution:5d} px  cos tokens mean "
+                    f"{row['last_hidden_state_cosine_mean']:.6f}"
                     f" min {row['last_hidden_state_cosine_min']:.6f}  pooler min {row['pooler_output_cosine_min']:.6f}"
-                    f"  rel err {row['relative_error']:.2e}  {'ok' if row['passed'] else 'BELOW ' + str(args.min_cosine)}",
+                    f"  rel err {row['relative_error']:.2e}  "
+                    f"{'ok' if row['passed'] else 'BELOW ' + str(args.min_cosine)}",
                     flush=True,
                 )
     result = {

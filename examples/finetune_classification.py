@@ -192,16 +192,16 @@ def main():
 
     if training_args.do_train:
         if data_args.max_train_samples is not None:
-            dataset["train"] = dataset["train"].shuffle(seed=training_args.seed).select(
-                range(data_args.max_train_samples)
+            dataset["train"] = (
+                dataset["train"].shuffle(seed=training_args.seed).select(range(data_args.max_train_samples))
             )
         dataset["train"] = dataset["train"].with_transform(transform_batch(train_transform))
     if training_args.do_eval:
         if "validation" not in dataset:
             raise ValueError("--do_eval needs a validation split: --validation_dir, or --train_val_split > 0.")
         if data_args.max_eval_samples is not None:
-            dataset["validation"] = dataset["validation"].shuffle(seed=training_args.seed).select(
-                range(data_args.max_eval_samples)
+            dataset["validation"] = (
+                dataset["validation"].shuffle(seed=training_args.seed).select(range(data_args.max_eval_samples))
             )
         dataset["validation"] = dataset["validation"].with_transform(transform_batch(eval_transform))
 
@@ -265,7 +265,8 @@ def main():
         details = {
             "learning rate": training_args.learning_rate,
             "weight decay": training_args.weight_decay,
-            "batch size (all devices)": training_args.per_device_train_batch_size * training_args.world_size
+            "batch size (all devices)": training_args.per_device_train_batch_size
+            * training_args.world_size
             * training_args.gradient_accumulation_steps,
             "optimiser steps": trainer.state.global_step,
             "training budget": budget,

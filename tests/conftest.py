@@ -14,7 +14,6 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference_veca.py
 
-import veca_hf  # noqa: E402  (registers the Auto classes)
 from veca_hf import VecaConfig  # noqa: E402
 
 

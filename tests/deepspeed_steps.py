@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-2/3 training steps of a tiny VecaModel on CPU, then a full save and reload (run by test_deepspeed.py).
+"""DeepSpeed ZeRO-2/3 training steps of a tiny VecaModel on CPU, then a full save and reload (run by
+test_deepspeed.py).
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed_steps.py --stage 3 --output_dir OUT
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import deepspeed
 import torch
 from transformers.integrations import HfDeepSpeedConfig
+
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_config, tiny_dinov3_config  # noqa: E402
@@ -66,7 +68,8 @@ def main() -> None:
     initial = full_state_dict(engine.module, args.stage == 3)
     teacher_patch = teacher.embeddings.patch_embeddings
     patch_copied = torch.equal(initial["embeddings.patch_embeddings.weight"], teacher_patch.weight) and torch.equal(
-        initial["embeddings.patch_embeddings.bias"], teacher_patch.bias)
+        initial["embeddings.patch_embeddings.bias"], teacher_patch.bias
+    )
 
     generator = torch.Generator().manual_seed(rank)
     projection = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(1))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 __all__ = [
     "ReferenceVeca",
     "rope_periods",
@@ -43,7 +44,7 @@ def rope_periods(head_dim: int, base: float = 100.0, p_zero: float = 0.125) -> t
     periods = base ** (2.0 * f / (head_dim / 2))
     n_zero = round(p_zero * n_freq)
     if n_zero > 0:
-        periods[n_freq - n_zero:] = float("inf")
+        periods[n_freq - n_zero :] = float("inf")
     return periods
 
 
@@ -104,7 +105,7 @@ def strip_reference_prefixes(state_dict: dict) -> dict:
             changed = False
             for p in ("module.", "student."):
                 if k.startswith(p):
-                    k = k[len(p):]
+                    k = k[len(p) :]
                     changed = True
         out[k] = v
     return out
@@ -173,16 +174,14 @@ class ReferenceVeca(nn.Module):
         self.query_token_chunks = nn.ParameterList(
             [nn.Parameter(torch.randn(1, chunk_size, hidden_dim) / math.sqrt(hidden_dim)) for _ in range(n_chunks)]
         )
-        self.qcoord_chunks = nn.ParameterList(
-            [nn.Parameter(torch.zeros(1, chunk_size, 2)) for _ in range(n_chunks)]
-        )
+        self.qcoord_chunks = nn.ParameterList([nn.Parameter(torch.zeros(1, chunk_size, 2)) for _ in range(n_chunks)])
         self.pos_linears = nn.ModuleList([nn.Linear(hidden_dim, 2, bias=True) for _ in range(num_layers - 1)])
         self.pos_alpha = nn.Parameter(torch.full((num_layers - 1,), 0.01))
         self.blocks = nn.ModuleList([_Block(hidden_dim, mlp_hidden, eps) for _ in range(num_layers)])
         self.final_norm = nn.LayerNorm(hidden_dim, eps=eps)
 
     @classmethod
-    def from_checkpoint_config(cls, cfg: dict) -> "ReferenceVeca":
+    def from_checkpoint_config(cls, cfg: dict) -> ReferenceVeca:
         chunk = cfg.get("nested_chunk_size", cfg.get("matryoshka_chunk_size", 8))
         return cls(
             hidden_dim=cfg["hidden_dim"],
@@ -250,10 +249,10 @@ class ReferenceVeca(nn.Module):
         x = torch.cat([cores, patches], dim=1)  # (B, C+N, D)
         pcoords = patch_coords(Hp, Wp, device=x.device, dtype=x.dtype)[None].expand(B, N, 2)
 
-        for l, blk in enumerate(self.blocks):
-            if l > 0:
+        for layer, blk in enumerate(self.blocks):
+            if layer > 0:
                 r = x[:, :C]  # residual stream, before any norm
-                rho = rho + self.pos_alpha[l - 1] * self.pos_linears[l - 1](r)
+                rho = rho + self.pos_alpha[layer - 1] * self.pos_linears[layer - 1](r)
             u = torch.tanh(rho)
             coords = torch.cat([u, pcoords], dim=1)  # (B, C+N, 2)
 

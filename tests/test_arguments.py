@@ -100,8 +100,10 @@ def _load_script(name: str):
 
 def test_distill_script_reads_nulls_from_its_file(tmp_path):
     path = tmp_path / "args.yaml"
-    path.write_text("dataset_name: images\nvalidation_split: null\ncheckpoints_total_limit: null\n"
-                    "teacher_micro_batch_size: null\nmax_train_steps: 5\nlearning_rate: 1e-3\nresolution: 224\n")
+    path.write_text(
+        "dataset_name: images\nvalidation_split: null\ncheckpoints_total_limit: null\n"
+        "teacher_micro_batch_size: null\nmax_train_steps: 5\nlearning_rate: 1e-3\nresolution: 224\n"
+    )
     model_args, data_args, args = _load_script("distill").parse_args([str(path), "--max_train_steps", "1"])
     assert data_args.validation_split is None and args.checkpoints_total_limit is None
     assert model_args.teacher_micro_batch_size is None
@@ -120,16 +122,29 @@ def test_paper_recipe_files_hold_the_papers_two_stages():
     distill = _load_script("distill")
     configs = ROOT / "examples" / "configs"
     model, data, args = distill.parse_args([str(configs / "paper_stage1.yaml"), "--dataset_name", "my/objects365"])
-    assert (model.teacher_name_or_path, model.student_preset) == ("facebook/dinov3-vitb16-pretrain-lvd1689m", "veca-b16")
+    assert (model.teacher_name_or_path, model.student_preset) == (
+        "facebook/dinov3-vitb16-pretrain-lvd1689m",
+        "veca-b16",
+    )
     assert model.init_patch_embeddings_from_teacher == "yes" and data.resolution == "256"
-    assert (args.optimizer, args.learning_rate, args.min_learning_rate, args.weight_decay) == ("normuon", 4e-4, 5e-5, 0.015)
+    assert (args.optimizer, args.learning_rate, args.min_learning_rate, args.weight_decay) == (
+        "normuon",
+        4e-4,
+        5e-5,
+        0.015,
+    )
     assert args.warmup_from_min_learning_rate and args.per_device_train_batch_size * 6 == 768
     assert args.budgets is None and args.budget_weights is None  # the defaults: 8..64 weighted 1,1,2,2,3,3,4,4
 
     model, data, args = distill.parse_args([str(configs / "paper_stage2.yaml"), "--dataset_name", "my/objects365"])
     assert model.student_name_or_path == "outputs/veca-b16-stage1" and model.init_patch_embeddings_from_teacher == "no"
     assert data.resolution == PAPER_STAGE2_RESOLUTION_SCHEDULE
-    assert (args.optimizer, args.learning_rate, args.min_learning_rate, args.weight_decay) == ("normuon", 8e-5, 3e-5, 0.01)
+    assert (args.optimizer, args.learning_rate, args.min_learning_rate, args.weight_decay) == (
+        "normuon",
+        8e-5,
+        3e-5,
+        0.01,
+    )
     assert args.max_train_steps == 50_000 and args.warmup_from_min_learning_rate
 
 
@@ -144,7 +159,14 @@ def test_redact_secrets_hides_tokens_and_storage_keys_at_any_depth():
     redacted = redact_secrets(values)
     assert redacted["hub_token"] == "<HUB_TOKEN>" and redacted["learning_rate"] == 1e-3 and redacted["push_to_hub"]
     assert json.loads(redacted["storage_options"]) == {
-        "key": "<REDACTED>", "secret": "<REDACTED>", "client_kwargs": {"endpoint_url": "http://127.0.0.1"}}
-    assert redacted["nested"] == {"aws_secret_access_key": "<REDACTED>", "token": None, "items": [{"password": "<REDACTED>"}]}
+        "key": "<REDACTED>",
+        "secret": "<REDACTED>",
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1"},
+    }
+    assert redacted["nested"] == {
+        "aws_secret_access_key": "<REDACTED>",
+        "token": None,
+        "items": [{"password": "<REDACTED>"}],
+    }
     assert "hf_abc" not in json.dumps(redacted) and "s3cr3t" not in json.dumps(redacted)
     assert values["hub_token"] == "hf_abc"  # a copy

@@ -58,7 +58,7 @@ def flatten_outputs(outputs) -> list[torch.Tensor]:
 def assert_bitwise_equal(first, second):
     first, second = flatten_outputs(first), flatten_outputs(second)
     assert len(first) == len(second) > 0
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert torch.equal(a, b), f"max abs difference {(a - b).abs().max().item()}"
 
@@ -151,7 +151,8 @@ def test_auto_classes_load_saved_folder(tmp_path, pixel_values):
     assert type(processor) is VecaImageProcessor
     image = random_pil_images(1)[0]
     assert torch.equal(
-        processor(image, return_tensors="pt")["pixel_values"], VecaImageProcessor()(image, return_tensors="pt")["pixel_values"]
+        processor(image, return_tensors="pt")["pixel_values"],
+        VecaImageProcessor()(image, return_tensors="pt")["pixel_values"],
     )
 
 
@@ -201,7 +202,9 @@ def test_backbone_feature_maps(pixel_values):
 
     # no reshape: (B, 1 + N, D), core 1 then the patches; no layernorm: the raw stage output (the last stage is
     # always normed). tests/test_dense_heads.py covers this layout with the heads that read it.
-    flat = VecaBackbone(tiny_config(out_features=["stage1", "stage2"], reshape_hidden_states=False, apply_layernorm=False))
+    flat = VecaBackbone(
+        tiny_config(out_features=["stage1", "stage2"], reshape_hidden_states=False, apply_layernorm=False)
+    )
     flat.load_state_dict(backbone.state_dict())
     flat.eval()
     with torch.no_grad():
@@ -211,7 +214,7 @@ def test_backbone_feature_maps(pixel_values):
     sequence_shape = (batch_size, 1 + num_patches, config.hidden_size)
     assert [tuple(f.shape) for f in flat_outputs.feature_maps] == [sequence_shape] * 2
     stage_tokens = (flat_reference.hidden_states[1], flat_reference.last_hidden_state)
-    for feature_map, tokens in zip(flat_outputs.feature_maps, stage_tokens):
+    for feature_map, tokens in zip(flat_outputs.feature_maps, stage_tokens, strict=True):
         assert torch.equal(feature_map, torch.cat([tokens[:, :1], tokens[:, 8:]], dim=1))
 
 
@@ -225,7 +228,9 @@ def test_model_checkpoint_loads_into_backbone(tmp_path, pixel_values):
     model = VecaModel(tiny_config()).eval()
     model.save_pretrained(tmp_path)
 
-    backbone, info = VecaBackbone.from_pretrained(tmp_path, out_features=["stage1", "stage2"], output_loading_info=True)
+    backbone, info = VecaBackbone.from_pretrained(
+        tmp_path, out_features=["stage1", "stage2"], output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert backbone.out_features == ["stage1", "stage2"]
 
@@ -418,7 +423,7 @@ def test_image_classification_pipeline(tmp_path):
     images = random_pil_images(2, size=(96, 80), seed=2)
     results = classifier(images, top_k=len(ID2LABEL))
     assert len(results) == len(images)
-    for image, result in zip(images, results):
+    for image, result in zip(images, results, strict=True):
         assert {entry["label"] for entry in result} == set(ID2LABEL.values())
         scores = [entry["score"] for entry in result]
         assert scores == sorted(scores, reverse=True)
@@ -579,4 +584,3 @@ def test_logits_come_from_first_core_only(pixel_values):
             base = model.veca(pixel_values, num_core_tokens=budget)
             assert torch.equal(base.pooler_output, base.last_hidden_state[:, 0])
             assert torch.equal(logits, model.classifier(base.pooler_output))
-

@@ -38,7 +38,7 @@ def import_benchmark(name: str):
 
 
 def _paired(numerators, denominators):
-    return statistics.median(a / b for a, b in zip(numerators, denominators))
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
 
 
 # --- scaling.py --mode train ---------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def test_train_mode_counts_training_flops(train_run):
 def test_train_mode_paired_ratios_are_medians_of_per_round_ratios(train_run):
     result, _ = train_run
     points = {(p["resolution"], p["label"]): p for p in result["points"]}
-    for (resolution, label), point in points.items():
+    for (resolution, _label), point in points.items():
         dense = points[(resolution, "DINOv3")]["latency_ms"]["samples"]
         expected = _paired(point["latency_ms"]["samples"], dense)
         assert point["paired_latency_ratio_vs_dinov3"] == pytest.approx(expected, rel=1e-12)
@@ -105,7 +105,7 @@ def test_train_mode_paired_ratios_are_medians_of_per_round_ratios(train_run):
             assert t["limit"] == pytest.approx(point["flop_ratio_vs_dinov3"] + 0.03)
             numerators = point["latency_ms"]["samples"]
             denominators = points[(t["resolution"], "DINOv3")]["latency_ms"]["samples"]
-        within = sum(a / b <= t["limit"] for a, b in zip(numerators, denominators))
+        within = sum(a / b <= t["limit"] for a, b in zip(numerators, denominators, strict=True))
         assert t["rounds_within_limit"] == f"{within}/{REPEATS}"
         assert t["met"] == (t["paired_ratio"] <= t["limit"])
         assert t["issue_resolution"] == (t["resolution"] in (512, 768)) or isinstance(t["budget"], list)
@@ -196,7 +196,7 @@ def test_precision_check_reports_cosines(tmp_path, inputs):
     assert result["inputs"] == (str(tmp_path) if inputs == "images" else "gaussian noise")
     rows = {(r["model"], r["check"]): r for r in result["rows"]}
     assert set(rows) == {(m, c) for m in ("VECA", "DINOv3") for c in ("bf16_autocast", "bf16_weights", "eager_sdpa")}
-    for (model, check), row in rows.items():
+    for (_model, check), row in rows.items():
         assert 0.99 < row["last_hidden_state_cosine_min"] <= row["last_hidden_state_cosine_mean"] <= 1.0 + 1e-6
         if check == "eager_sdpa":  # fp32: the two backends agree to rounding
             assert row["relative_error"] < 1e-4

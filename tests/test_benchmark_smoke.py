@@ -75,7 +75,9 @@ def test_every_point_counted_equals_analytic(tiny_run):
         assert point["gemm_fraction"] == pytest.approx(achieved / point["gemm_reference_gflops_per_s"], rel=1e-9)
         assert 0.0 <= point["attention_core_share"] <= point["attention_module_share"] <= 1.0
         assert point["forward_peak_mb"] > 0 and point["peak_memory_mb"] > point["forward_peak_mb"]
-        assert isinstance(point["minor_page_faults_per_call"], (int, float)) and point["minor_page_faults_per_call"] >= 0
+        assert (
+            isinstance(point["minor_page_faults_per_call"], (int, float)) and point["minor_page_faults_per_call"] >= 0
+        )
         if point["model"] == "VECA":
             assert point["num_tokens"] == point["num_patches"] + point["budget"]
             assert point["latency_ratio_vs_dinov3"] > 0 and point["flop_ratio_vs_dinov3"] > 0
@@ -87,7 +89,7 @@ def test_every_point_counted_equals_analytic(tiny_run):
 
 
 def _paired(numerators, denominators):
-    return statistics.median(a / b for a, b in zip(numerators, denominators))
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
 
 
 def test_paired_ratios_are_medians_of_per_round_ratios(tiny_run):
@@ -95,15 +97,16 @@ def test_paired_ratios_are_medians_of_per_round_ratios(tiny_run):
     result = json.loads((output_dir / "results.json").read_text())
     points = {(p["mode"], p["resolution"], p["label"]): p for p in result["points"]}
     label = f"VECA C={max(BUDGETS)}"
-    for (mode, resolution, name), point in points.items():
+    for (mode, resolution, _name), point in points.items():
         dense = points[(mode, resolution, "DINOv3")]
         expected = _paired(point["latency_ms"]["samples"], dense["latency_ms"]["samples"])
         assert point["paired_latency_ratio_vs_dinov3"] == pytest.approx(expected, rel=1e-9)
     for entry in result["summary"]:
         mode, small, large = entry["mode"], entry["reference_resolution"], entry["largest_resolution"]
-        assert entry["ratios"][str(large)]["paired_latency_ratio"] == points[(mode, large, label)][
-            "paired_latency_ratio_vs_dinov3"
-        ]
+        assert (
+            entry["ratios"][str(large)]["paired_latency_ratio"]
+            == points[(mode, large, label)]["paired_latency_ratio_vs_dinov3"]
+        )
         for model, key in ((label, "veca"), ("DINOv3", "dinov3")):
             big, ref = points[(mode, large, model)], points[(mode, small, model)]
             per_round = _paired(big["latency_ms"]["samples"], ref["latency_ms"]["samples"])
@@ -130,7 +133,7 @@ def test_json_metadata_and_summary(tiny_run):
 
 
 def test_block_inputs_match_paper_table_on_meta():
-    """The block-mode input helpers reproduce the paper's attention-block FLOPs (VECA-B / DINOv3-B, 1024 px, C = 64)."""
+    """The block-mode input helpers reproduce the paper's attention-block FLOPs (VECA-B, DINOv3-B, 1024 px, C=64)."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import scaling

@@ -30,8 +30,9 @@ def _train_step(accelerator, model, optimizer):
 
 
 def _save(accelerator, directory, step, **kwargs):
-    return save_checkpoint(accelerator, directory, step, training_state={"step": step},
-                           process_state={"batches": step}, **kwargs)
+    return save_checkpoint(
+        accelerator, directory, step, training_state={"step": step}, process_state={"batches": step}, **kwargs
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

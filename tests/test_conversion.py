@@ -23,7 +23,9 @@ def perturbed_reference(seed: int = 0, **sizes) -> ReferenceVeca:
     with torch.no_grad():
         for name, p in reference.named_parameters():
             scale = 0.5 if "qcoord" in name else 0.3 if "pos_alpha" in name else 0.1
-            p.copy_(torch.randn(p.shape, generator=generator) * scale + (1.0 if "norm" in name and "weight" in name else 0))
+            p.copy_(
+                torch.randn(p.shape, generator=generator) * scale + (1.0 if "norm" in name and "weight" in name else 0)
+            )
     return reference
 
 
@@ -64,9 +66,18 @@ def test_converted_model_equals_the_dense_masked_reference_for_every_budget(heig
 def test_cli_writes_a_complete_folder(tmp_path):
     output_dir = tmp_path / "converted"
     result = subprocess.run(
-        [sys.executable, "-m", "veca_hf.convert_veca_original", "--checkpoint", str(FIXTURES / "tiny_reference.pth"),
-         "--output-dir", str(output_dir)],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "veca_hf.convert_veca_original",
+            "--checkpoint",
+            str(FIXTURES / "tiny_reference.pth"),
+            "--output-dir",
+            str(output_dir),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "D=64, L=2, heads=2, bank=16" in result.stdout
@@ -88,7 +99,9 @@ def test_prefixes_and_bare_state_dicts_are_accepted(tmp_path):
         model = convert_checkpoint(path)
         # a bare state dict has no head count: 64-wide heads are assumed -> here 1 head of 64
         if wrap:
-            torch.testing.assert_close(model(pixel_values, num_core_tokens=8).last_hidden_state, expected, atol=2e-5, rtol=0)
+            torch.testing.assert_close(
+                model(pixel_values, num_core_tokens=8).last_hidden_state, expected, atol=2e-5, rtol=0
+            )
         else:
             assert model.config.num_attention_heads == 1
 

@@ -16,7 +16,9 @@ ROOT = Path(__file__).parent.parent
 
 def load_arms():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("cpu_distillation_arms", ROOT / "benchmarks" / "cpu_distillation_arms.py")
+    spec = importlib.util.spec_from_file_location(
+        "cpu_distillation_arms", ROOT / "benchmarks" / "cpu_distillation_arms.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -48,7 +50,7 @@ def test_smoke_arms_write_gaps_curves_and_skip_finished_arms(study_inputs, tmp_p
     # the arms really differ: the recipe arm ran NorMuon and copied the patch embedding; arm 4 another resolution
     recipe = summary["arms"][1]
     assert recipe["settings"]["distill_flags"]["optimizer"] == "normuon"
-    log = (tmp_path / "study" / "arms" / "4x384-paper-recipe" / "logs" / "distill_veca.log")
+    log = tmp_path / "study" / "arms" / "4x384-paper-recipe" / "logs" / "distill_veca.log"
     assert "NorMuon for" in log.read_text() and "Patch embedding copied from the teacher" in log.read_text()
     assert summary["arms"][2]["settings"]["resolution"] == 48
     markdown = (results_dir / "study.md").read_text()

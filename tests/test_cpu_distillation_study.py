@@ -71,7 +71,7 @@ def test_smoke_study_writes_table_targets_and_plot_and_resumes(study_inputs, tmp
 
     rows = {(row["model"], row["budget"]): row for row in summary["table"]}
     assert set(rows) == {("teacher", None), ("dense", None), ("veca", 8), ("veca", 16), ("random", 8), ("random", 16)}
-    for (role, budget), row in rows.items():
+    for (role, _budget), row in rows.items():
         for task in ("classification", "knn"):
             low, high = row[f"{task}_interval"]
             assert 0.0 <= low <= row[task] <= high <= 1.0

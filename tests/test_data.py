@@ -328,7 +328,9 @@ def test_eval_transform_follows_every_processor_setting():
 
 
 def test_train_transforms_take_the_processor_settings():
-    custom = VecaImageProcessorPil.for_resolution(48, resample=2, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.4])
+    custom = VecaImageProcessorPil.for_resolution(
+        48, resample=2, image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.4]
+    )
     distillation = build_transform(custom, train=True).transforms
     assert [type(t).__name__ for t in distillation] == [
         "Resize", "RandomCrop", "RandomHorizontalFlip", "TrivialAugmentWide", "ToImage", "ToDtype", "Normalize",
@@ -404,8 +406,13 @@ def test_stream_reports_bad_images_and_keeps_going(image_folder):
 
 def test_collate_all_skipped():
     batch = collate_images([{"pixel_values": None, "skipped": "too_small"}] * 2)
-    assert batch == {"pixel_values": None, "num_skipped": 2, "skipped_reasons": Counter({"too_small": 2}), "sources": [],
-                     "worker": 0}
+    assert batch == {
+        "pixel_values": None,
+        "num_skipped": 2,
+        "skipped_reasons": Counter({"too_small": 2}),
+        "sources": [],
+        "worker": 0,
+    }
     good = collate_images(
         [{"pixel_values": torch.zeros(3, 4, 4), "source": "a.jpg"}, {"pixel_values": None, "skipped": "undecodable"}]
     )
@@ -459,11 +466,11 @@ def test_stream_is_deterministic_and_leaves_global_rng_alone(image_folder):
     first = list(_stream(dataset, seed=3))
     assert torch.equal(torch.get_rng_state(), torch_state)
     assert random.getstate() == python_state
-    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_state))
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_state, strict=True))
 
     second = list(_stream(dataset, seed=3))
     assert len(first) == len(second) == 15
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert a.get("skipped") == b.get("skipped")
         assert (a["pixel_values"] is None and b["pixel_values"] is None) or torch.equal(
             a["pixel_values"], b["pixel_values"]
@@ -488,16 +495,18 @@ def test_skipping_consumed_items_replays_the_rest_exactly(image_folder):
         resumed.set_epoch(2)
         rest = list(itertools.islice(resumed, k, None))
         assert len(rest) == len(full) - k
-        for a, b in zip(full[k:], rest):
+        for a, b in zip(full[k:], rest, strict=True):
             assert a.get("skipped") == b.get("skipped")
             assert a["pixel_values"] is None or torch.equal(a["pixel_values"], b["pixel_values"])
 
 
 def _same_batches(expected: list[dict], actual: list[dict]) -> None:
     assert len(actual) == len(expected)
-    for a, b in zip(expected, actual):
+    for a, b in zip(expected, actual, strict=True):
         assert a["sources"] == b["sources"] and a["num_skipped"] == b["num_skipped"] and a["worker"] == b["worker"]
-        assert (a["pixel_values"] is None and b["pixel_values"] is None) or torch.equal(a["pixel_values"], b["pixel_values"])
+        assert (a["pixel_values"] is None and b["pixel_values"] is None) or torch.equal(
+            a["pixel_values"], b["pixel_values"]
+        )
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-core machine
@@ -519,8 +528,11 @@ def test_resume_skips_consumed_samples_and_continues_exactly(request, source, nu
         stream = _stream(dataset, seed=1)
         stream.set_epoch(1)
         stream.set_skip(skip)
-        return list(torch.utils.data.DataLoader(stream, batch_size=batch_size, num_workers=num_workers,
-                                                collate_fn=collate_images))
+        return list(
+            torch.utils.data.DataLoader(
+                stream, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_images
+            )
+        )
 
     full = batches()
     assert len(full) >= 4
@@ -564,14 +576,19 @@ def test_infinite_batches_on_an_empty_split_raise_the_callers_message(parquet_fo
     empty = _load(str(parquet_folder)).take(0)
     loader_kwargs = dict(batch_size=2, collate_fn=collate_images, num_workers=0)
     with pytest.raises(ValueError, match="the held-out split took every image"):
-        next(infinite_batches(_stream(empty), loader_kwargs, 0, {"epoch": 0, "batches": 0},
-                              "the held-out split took every image"))
+        next(
+            infinite_batches(
+                _stream(empty), loader_kwargs, 0, {"epoch": 0, "batches": 0}, "the held-out split took every image"
+            )
+        )
 
 
 def test_skipped_samples_are_not_decoded(image_folder, monkeypatch):
     decoded = []
     decode = veca_hf.data.decode_image
-    monkeypatch.setattr(veca_hf.data, "decode_image", lambda value, **kwargs: decoded.append(1) or decode(value, **kwargs))
+    monkeypatch.setattr(
+        veca_hf.data, "decode_image", lambda value, **kwargs: decoded.append(1) or decode(value, **kwargs)
+    )
     stream = _stream(_load(str(image_folder)), seed=1)
     stream.set_skip([10])
     assert len(list(stream)) == 15 - 10 and len(decoded) == 15 - 10
@@ -644,7 +661,9 @@ def test_truncated_parquet_shard_is_skipped_with_its_name(parquet_folder, tmp_pa
         dataset = load_image_dataset(name)
     assert "Skipping 1 broken shard(s)" in caplog.text and "part-00001.parquet" in caplog.text
     assert sorted(_keys(_stream(dataset, train=False))) == [0, 1, 2, 6, 7, 8, 9, 10, 11]  # shard 1 held 3, 4, 5
-    with pytest.raises(ValueError, match=r"1 shard\(s\) of .* cannot be read: .*part-00001.parquet .*--broken_shards skip"):
+    with pytest.raises(
+        ValueError, match=r"1 shard\(s\) of .* cannot be read: .*part-00001.parquet .*--broken_shards skip"
+    ):
         load_image_dataset(name, broken_shards="error")
 
 

@@ -58,7 +58,7 @@ def test_token_sequences_put_the_global_core_first():
         reference = flat.veca(pixel_values, num_core_tokens=BUDGET, output_hidden_states=True)
 
     assert [tuple(s.shape) for s in sequences] == [(2, 1 + 4 * 3, 64)] * 4
-    for stage, (sequence, grid) in enumerate(zip(sequences, grids), start=1):
+    for stage, (sequence, grid) in enumerate(zip(sequences, grids, strict=True), start=1):
         tokens = reference.last_hidden_state if stage == 4 else flat.veca.norm(reference.hidden_states[stage])
         torch.testing.assert_close(sequence[:, 0], tokens[:, 0], rtol=0, atol=0)
         torch.testing.assert_close(sequence[:, 1:], tokens[:, BUDGET:], rtol=0, atol=0)
@@ -77,7 +77,9 @@ def test_depth_anything_forward(height, width):
         at_budget = model.backbone(pixel_values, num_core_tokens=BUDGET).feature_maps
         at_bank = model.backbone(pixel_values, num_core_tokens=16).feature_maps
     assert depth.shape == (2, height, width) and torch.isfinite(depth).all()
-    assert all(torch.equal(a, b) for a, b in zip(at_default, at_budget))  # the head runs at default_num_core_tokens
+    assert all(
+        torch.equal(a, b) for a, b in zip(at_default, at_budget, strict=True)
+    )  # the head runs at default_num_core_tokens
     assert not torch.equal(at_default[-1], at_bank[-1])
 
 

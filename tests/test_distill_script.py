@@ -121,11 +121,28 @@ def test_two_processes_stream_disjoint_data_skip_a_non_finite_step_together_and_
     output_dir = tmp_path / "ddp"
     # NOTE: `accelerate launch --cpu --num_processes 2` needs MPI (mpirun); the torchrun launcher behind
     # `--multi_gpu` plus ACCELERATE_USE_CPU=true gives 2 gloo processes on CPU.
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29533",
+    ]
     # 2 ranks x 2 steps x 4 images = 16 <= the 20 training images: within one epoch nothing may repeat.
-    result = run_distill(distill_args(workspace, output_dir, max_train_steps=2, log_sample_sources="true"),
-                         launcher=launcher, env={"VECA_HF_TEST_NAN_TEACHER_STEPS": "1:1"})
+    result = run_distill(
+        distill_args(workspace, output_dir, max_train_steps=2, log_sample_sources="true"),
+        launcher=launcher,
+        env={"VECA_HF_TEST_NAN_TEACHER_STEPS": "1:1"},
+    )
     assert "Step 1: non-finite loss or gradients (NaN or inf) on at least one process: step skipped" in result.stderr
     assert json.loads((output_dir / "distill_results.json").read_text())["nonfinite_steps"] == 1
     assert all(torch.isfinite(value).all() for value in load_file(output_dir / "model.safetensors").values())
@@ -142,7 +159,12 @@ def test_two_processes_stream_disjoint_data_skip_a_non_finite_step_together_and_
     assert isinstance(AutoModel.from_pretrained(output_dir), VecaModel)
 
 
-INTERRUPTED_RUN = {"max_train_steps": 8, "checkpointing_steps": 2, "validation_steps": 100, "dataloader_num_workers": 2}
+INTERRUPTED_RUN = {
+    "max_train_steps": 8,
+    "checkpointing_steps": 2,
+    "validation_steps": 100,
+    "dataloader_num_workers": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +201,9 @@ def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path, uninterrupt
 
     # Start the same run, SIGKILL it once checkpoint-2 is complete, then resume from "latest".
     command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **steps)
-    process = start_when_checkpoint_2_exists(command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = start_when_checkpoint_2_exists(
+        command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not (resumed_dir / "model.safetensors").exists()  # it really died before finishing
@@ -191,8 +215,9 @@ def test_sigterm_writes_a_checkpoint_exits_143_and_resumes_to_the_same_weights(w
     """Preemption as SLURM does it: SIGTERM to the whole process group (the DataLoader workers too)."""
     resumed_dir = tmp_path / "preempted"
     command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **INTERRUPTED_RUN)
-    process = start_when_checkpoint_2_exists(command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                             text=True, start_new_session=True)
+    process = start_when_checkpoint_2_exists(
+        command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     os.killpg(process.pid, signal.SIGTERM)
     _, stderr = process.communicate(timeout=240)
     assert process.returncode == 143, stderr[-6000:]
@@ -244,7 +269,7 @@ def test_unknown_student_type_fails_with_a_clear_message(workspace, tmp_path):
 
 def without(args: list[str], *flags: str) -> list[str]:
     """`args` without the given flags and their values."""
-    pairs = list(zip(args[::2], args[1::2]))
+    pairs = list(zip(args[::2], args[1::2], strict=True))
     return [item for flag, value in pairs if flag not in flags for item in (flag, value)]
 
 
@@ -252,11 +277,14 @@ def test_launcher_mixed_precision_is_used_unless_the_flag_is_given(workspace, tm
     """`accelerate launch --mixed_precision bf16` (or its config file) sets ACCELERATE_MIXED_PRECISION: it wins over
     the script's default, and an explicit --mixed_precision wins over it; the first log line says which is used."""
     common = dict(max_train_steps=1, checkpointing_steps=0, validation_steps=1)
-    result = run_distill(distill_args(workspace, tmp_path / "launcher", **common),
-                         env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    result = run_distill(
+        distill_args(workspace, tmp_path / "launcher", **common), env={"ACCELERATE_MIXED_PRECISION": "bf16"}
+    )
     assert first_log_line(result).endswith("Mixed precision: bf16; 1 process(es) on cpu.")
-    result = run_distill(distill_args(workspace, tmp_path / "flag", mixed_precision="no", **common),
-                         env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    result = run_distill(
+        distill_args(workspace, tmp_path / "flag", mixed_precision="no", **common),
+        env={"ACCELERATE_MIXED_PRECISION": "bf16"},
+    )
     assert first_log_line(result).endswith("Mixed precision: no; 1 process(es) on cpu.")
 
 
@@ -264,24 +292,41 @@ def test_default_budgets_cover_a_custom_core_bank(workspace, tmp_path):
     """A student with 16 cores (not the presets' 64) trains with no budget flags: budgets 8 and 16."""
     assert VecaConfig.from_pretrained(workspace / "student").num_core_tokens == 16
     output_dir = tmp_path / "run"
-    args = without(distill_args(workspace, output_dir, max_train_steps=2, checkpointing_steps=0, validation_steps=2),
-                   "--budgets", "--budget_weights")
+    args = without(
+        distill_args(workspace, output_dir, max_train_steps=2, checkpointing_steps=0, validation_steps=2),
+        "--budgets",
+        "--budget_weights",
+    )
     result = run_distill(args)
     assert "budgets [8, 16]" in result.stderr
     assert set(json.loads((output_dir / "distill_results.json").read_text())["validation"]) == {"8", "16"}
 
 
 def test_teacher_that_cannot_be_loaded_is_an_error_unless_the_fallback_is_asked_for(workspace, tmp_path):
-    args = distill_args(workspace, tmp_path / "run", teacher_name_or_path="veca-test/not-a-cached-teacher",
-                        teacher_fallback_dir=tmp_path / "fallback", max_train_steps=1, checkpointing_steps=0)
+    args = distill_args(
+        workspace,
+        tmp_path / "run",
+        teacher_name_or_path="veca-test/not-a-cached-teacher",
+        teacher_fallback_dir=tmp_path / "fallback",
+        max_train_steps=1,
+        checkpointing_steps=0,
+    )
     result = run_distill(args, check=False)
     assert result.returncode != 0
     assert "Cannot use teacher 'veca-test/not-a-cached-teacher'" in result.stderr
     assert "offline mode" in result.stderr and "--allow_teacher_fallback" in result.stderr
 
     # Opted in: the fallback folder (here a tiny DINOv2, patch 14, already extracted) is used, with a warning.
-    Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
-                             patch_size=14, image_size=56)).save_pretrained(tmp_path / "fallback")
+    Dinov2Model(
+        Dinov2Config(
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=128,
+            patch_size=14,
+            image_size=56,
+        )
+    ).save_pretrained(tmp_path / "fallback")
     (tmp_path / "fallback" / "preprocessor_config.json").write_text("{}")
     result = run_distill(args + ["--allow_teacher_fallback", "true"])
     assert "Falling back to the real DINOv2-S/14 teacher" in result.stderr
@@ -293,7 +338,6 @@ def test_held_out_split_taking_every_image_says_so(workspace, tmp_path):
     assert result.returncode != 0
     assert "the held-out validation split (the first --validation_size 100 images) took every image" in result.stderr
     assert "Lower --validation_size, or pass --validation_split" in result.stderr
-
 
 
 def test_a_failing_run_with_dataloader_workers_exits_instead_of_hanging(workspace, tmp_path):
@@ -327,7 +371,9 @@ def test_normuon_run_logs_its_split_and_resumes_exactly(workspace, tmp_path):
     assert "Patch embedding copied from the teacher: weight (64, 3, 16, 16)" in result.stderr
     history = json.loads((tmp_path / "full" / "distill_results.json").read_text())["validation_history"]
     assert [h["step"] for h in history] == [0, 2, 4] and set(history[0]["losses"]) == {"8", "16"}
-    optimizer_state = torch.load(tmp_path / "full" / "checkpoints" / "checkpoint-2" / "optimizer.bin", weights_only=False)
+    optimizer_state = torch.load(
+        tmp_path / "full" / "checkpoints" / "checkpoint-2" / "optimizer.bin", weights_only=False
+    )
     assert [group["use_muon"] for group in optimizer_state["param_groups"]] == [True, False, False]
 
     resumed = tmp_path / "resumed"
@@ -347,10 +393,27 @@ def test_normuon_run_logs_its_split_and_resumes_exactly(workspace, tmp_path):
 
 def test_normuon_under_ddp_keeps_replicas_equal_and_skips_a_non_finite_step(workspace, tmp_path):
     output_dir = tmp_path / "ddp-normuon"
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29534"]
-    result = run_distill(distill_args(workspace, output_dir, optimizer="normuon", max_train_steps=3),
-                         launcher=launcher, env={"VECA_HF_TEST_NAN_TEACHER_STEPS": "2:1"})
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29534",
+    ]
+    result = run_distill(
+        distill_args(workspace, output_dir, optimizer="normuon", max_train_steps=3),
+        launcher=launcher,
+        env={"VECA_HF_TEST_NAN_TEACHER_STEPS": "2:1"},
+    )
     assert "Step 2: non-finite loss or gradients (NaN or inf) on at least one process: step skipped" in result.stderr
     assert "The weights agree on all 2 processes." in result.stderr
     assert json.loads((output_dir / "distill_results.json").read_text())["nonfinite_steps"] == 1
@@ -365,9 +428,14 @@ def test_start_from_a_saved_student(workspace, tmp_path):
     args = without(distill_args(workspace, tmp_path / "stage2", max_train_steps=1, learning_rate=0.0,
                                 min_learning_rate=0.0, checkpointing_steps=0), "--student_config")  # fmt: skip
     run_distill(args + ["--student_name_or_path", str(tmp_path / "stage1")])
-    before, after = load_file(tmp_path / "stage1" / "model.safetensors"), load_file(tmp_path / "stage2" / "model.safetensors")
+    before, after = (
+        load_file(tmp_path / "stage1" / "model.safetensors"),
+        load_file(tmp_path / "stage2" / "model.safetensors"),
+    )
     assert all(torch.equal(before[key], after[key]) for key in before)
-    result = run_distill(distill_args(workspace, tmp_path / "both", student_name_or_path=tmp_path / "stage1"), check=False)
+    result = run_distill(
+        distill_args(workspace, tmp_path / "both", student_name_or_path=tmp_path / "stage1"), check=False
+    )
     assert result.returncode != 0 and "brings its own config; drop --student_config" in result.stderr
 
 
@@ -380,8 +448,11 @@ def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monk
 
     token = "hf_FAKEtokenNEVERonDISK0123456789"
     uploads = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
-                        lambda self, repo_id, **kw: huggingface_hub.RepoUrl(f"https://huggingface.co/me/{repo_id.split('/')[-1]}"))
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: huggingface_hub.RepoUrl(f"https://huggingface.co/me/{repo_id.split('/')[-1]}"),
+    )
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: uploads.append(kw))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = importlib.util.spec_from_file_location("distill_secrets", SCRIPT)
@@ -394,7 +465,9 @@ def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monk
     script.main()
     assert len(uploads) == 1  # the upload happened (with the token, held by the API object only)
     written = [path for path in output_dir.rglob("*") if path.is_file()]
-    assert any("events.out.tfevents" in p.name for p in written) and any(p.name == "training_state.json" for p in written)
+    assert any("events.out.tfevents" in p.name for p in written) and any(
+        p.name == "training_state.json" for p in written
+    )
     assert [p for p in written if token.encode() in p.read_bytes()] == []
     state = json.loads(next(p for p in written if p.name == "training_state.json").read_text())
     assert state["args"]["hub_token"] == "<HUB_TOKEN>"

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import tiny_config, tiny_dinov3_config
-from transformers import DINOv3ViTModel, Dinov2Config, Dinov2Model
+from transformers import Dinov2Config, Dinov2Model, DINOv3ViTModel
 
 from veca_hf import VecaModel
 from veca_hf.distillation import (
@@ -17,6 +17,7 @@ from veca_hf.distillation import (
     ResolutionSchedule,
     StudentWithLoss,
     TeacherTargets,
+    before_after_table,
     build_student_config,
     compute_teacher_targets,
     default_budgets,
@@ -26,7 +27,6 @@ from veca_hf.distillation import (
     teacher_autocast_dtype,
     teacher_image_size,
     training_budgets,
-    before_after_table,
     validation_losses,
 )
 
@@ -34,19 +34,32 @@ from veca_hf.distillation import (
 def test_loss_matches_a_hand_computation():
     generator = torch.Generator().manual_seed(0)
     student_global, teacher_cls = torch.randn(3, 8, generator=generator), torch.randn(3, 8, generator=generator)
-    student_patches, teacher_patches = torch.randn(3, 5, 8, generator=generator), torch.randn(3, 5, 8, generator=generator)
+    student_patches, teacher_patches = (
+        torch.randn(3, 5, 8, generator=generator),
+        torch.randn(3, 5, 8, generator=generator),
+    )
     terms = DistillationLoss(8, 8, dense_weight=0.5, mse_weight=2.0)(
         student_global, student_patches, TeacherTargets(teacher_cls, teacher_patches)
     )
 
     def cosine(a, b):
-        return sum(x * y for x, y in zip(a, b)) / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+        return sum(x * y for x, y in zip(a, b, strict=True)) / (
+            sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5
+        )
 
-    global_loss = sum(1 - cosine(s.tolist(), t.tolist()) for s, t in zip(student_global, teacher_cls)) / 3
-    dense_cos = sum(
-        1 - cosine(s.tolist(), t.tolist()) for sb, tb in zip(student_patches, teacher_patches) for s, t in zip(sb, tb)
-    ) / 15
-    dense_mse = sum((x - y) ** 2 for x, y in zip(student_patches.flatten().tolist(), teacher_patches.flatten().tolist())) / (3 * 5 * 8)
+    global_loss = sum(1 - cosine(s.tolist(), t.tolist()) for s, t in zip(student_global, teacher_cls, strict=True)) / 3
+    dense_cos = (
+        sum(
+            1 - cosine(s.tolist(), t.tolist())
+            for sb, tb in zip(student_patches, teacher_patches, strict=True)
+            for s, t in zip(sb, tb, strict=True)
+        )
+        / 15
+    )
+    dense_mse = sum(
+        (x - y) ** 2
+        for x, y in zip(student_patches.flatten().tolist(), teacher_patches.flatten().tolist(), strict=True)
+    ) / (3 * 5 * 8)
     assert terms["global_loss"].item() == pytest.approx(global_loss, rel=1e-5)
     assert terms["dense_cosine_loss"].item() == pytest.approx(dense_cos, rel=1e-5)
     assert terms["dense_mse_loss"].item() == pytest.approx(dense_mse, rel=1e-5)
@@ -60,7 +73,9 @@ def test_loss_projects_when_widths_differ_and_checks_grids():
     terms["loss"].backward()
     assert loss.projection.weight.grad is not None
     with pytest.raises(ValueError, match="patch grids"):
-        DistillationLoss(8, 8)(torch.randn(2, 8), torch.randn(2, 4, 8), TeacherTargets(torch.randn(2, 8), torch.randn(2, 5, 8)))
+        DistillationLoss(8, 8)(
+            torch.randn(2, 8), torch.randn(2, 4, 8), TeacherTargets(torch.randn(2, 8), torch.randn(2, 5, 8))
+        )
 
 
 def test_budget_sampler_is_identical_across_ranks_and_follows_the_weights():
@@ -70,7 +85,7 @@ def test_budget_sampler_is_identical_across_ranks_and_follows_the_weights():
     assert draws[:50] != [BudgetSampler(seed=4)(step) for step in range(50)]
     counts = Counter(draws)
     total = sum(DEFAULT_BUDGET_WEIGHTS)
-    for budget, weight in zip(DEFAULT_BUDGETS, DEFAULT_BUDGET_WEIGHTS):
+    for budget, weight in zip(DEFAULT_BUDGETS, DEFAULT_BUDGET_WEIGHTS, strict=True):
         assert abs(counts[budget] / len(draws) - weight / total) < 0.012, budget
     assert abs(sum(draws) / len(draws) - 44) < 0.5  # E[C] = 44 (the paper's elastic training)
 
@@ -147,7 +162,14 @@ def test_teacher_targets_keep_the_teacher_in_eval_mode():
 
 def test_teacher_with_another_patch_size_sees_the_same_grid():
     teacher = Dinov2Model(
-        Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, patch_size=14, image_size=56)
+        Dinov2Config(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            patch_size=14,
+            image_size=56,
+        )
     ).eval()
     assert teacher_image_size(64, 48, 16, 14) == (56, 42)
     targets = compute_teacher_targets(teacher, torch.randn(2, 3, 64, 48), student_patch_size=16)
@@ -173,7 +195,11 @@ def test_parameter_groups_keep_weight_decay_off_cores_coordinates_norms_and_bias
     names = {id(p): n for n, p in model.named_parameters()}
     no_decay_names = {names[id(p)] for p in no_decay["params"]}
     decay_names = {names[id(p)] for p in decay["params"]}
-    assert {"embeddings.core_tokens.0", "embeddings.core_coordinates.1", "encoder.core_coordinate_heads.0.step"} <= no_decay_names
+    assert {
+        "embeddings.core_tokens.0",
+        "embeddings.core_coordinates.1",
+        "encoder.core_coordinate_heads.0.step",
+    } <= no_decay_names
     assert "norm.weight" in no_decay_names and "encoder.layer.0.attention.qkv_proj.bias" in no_decay_names
     assert "encoder.layer.0.attention.qkv_proj.weight" in decay_names
     assert "embeddings.patch_embeddings.weight" in decay_names
@@ -206,8 +232,17 @@ def test_dense_student_matches_veca_size_except_cores_and_layer_scale():
     config = tiny_config()
     dense = DINOv3ViTModel(dense_student_config(config))
     veca = VecaModel(config)
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size",
-                 "rope_theta", "pos_embed_shift", "pos_embed_rescale", "layer_norm_eps"):
+    for name in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "patch_size",
+        "rope_theta",
+        "pos_embed_shift",
+        "pos_embed_rescale",
+        "layer_norm_eps",
+    ):
         assert getattr(dense.config, name) == getattr(config, name), name
     assert dense.config.use_gated_mlp and dense.config.key_bias and dense.config.num_register_tokens == 0
 
@@ -284,4 +319,5 @@ def test_before_after_table_shows_loss_and_cosines_per_budget():
     assert table.splitlines()[0] == "Held-out images (3 at 224 px), before the first step -> after step 120:"
     assert table.splitlines()[-1] == "| 8 | 4.5000 -> 1.2500 | 0.0100 -> 0.9100 | 0.1000 -> 0.7000 |"
     assert "before" not in before_after_table(None, after, 120, 224, 3) and "| 8 | 1.2500 | 0.9100 |" in (
-        before_after_table(None, after, 120, 224, 3))
+        before_after_table(None, after, 120, 224, 3)
+    )

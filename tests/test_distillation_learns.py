@@ -54,7 +54,9 @@ def workspace(tmp_path_factory):
     return root, heldout
 
 
-def distill(workspace: Path, output_dir: Path, learning_rate: float, steps: int, monkeypatch, optimizer="adamw") -> Path:
+def distill(
+    workspace: Path, output_dir: Path, learning_rate: float, steps: int, monkeypatch, optimizer="adamw"
+) -> Path:
     spec = importlib.util.spec_from_file_location("distill_guard", ROOT / "examples" / "distill.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -125,8 +127,9 @@ def initial_similarity(workspace, tmp_path_factory):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "normuon"])
-def test_distillation_brings_heldout_features_towards_the_teacher(workspace, initial_similarity, optimizer, tmp_path,
-                                                                  monkeypatch):
+def test_distillation_brings_heldout_features_towards_the_teacher(
+    workspace, initial_similarity, optimizer, tmp_path, monkeypatch
+):
     root, heldout = workspace
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     trained_dir = distill(root, tmp_path / "trained", 3e-3, 40, monkeypatch, optimizer=optimizer)

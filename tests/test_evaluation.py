@@ -140,7 +140,7 @@ def test_probe_model_refuses_incomplete_checkpoints(veca_dir, tmp_path):
     del weights["norm.weight"]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="does not match its model code"):
-        evaluation.ProbeModel(str(broken), device="cpu").model
+        _ = evaluation.ProbeModel(str(broken), device="cpu").model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -280,8 +280,9 @@ def test_linear_probe_script_rejects_bad_resolution(veca_dir, classification_dir
     script = load_script("linear_probe")
     with pytest.raises(ValueError, match="not a multiple of veca-tiny's patch size"):
         script.main([
-            "--model_name_or_path", str(veca_dir), "--resolutions", "32,40", "--train_dir", str(classification_dirs[0]),
-            "--validation_dir", str(classification_dirs[1]), "--output_dir", str(tmp_path),
+            "--model_name_or_path", str(veca_dir), "--resolutions", "32,40",
+            "--train_dir", str(classification_dirs[0]), "--validation_dir", str(classification_dirs[1]),
+            "--output_dir", str(tmp_path),
         ])  # fmt: skip
 
 
@@ -299,7 +300,7 @@ def test_knn_classify_finds_the_cluster_and_k1_is_the_nearest_neighbour():
     predicted = evaluation.knn_classify(train, labels, queries, num_classes=3, k=10, batch_size=5)
     assert predicted.tolist() == [0, 1, 2] * 4
     # k = 1: the label of the most cosine-similar training feature, whatever the temperature
-    nearest = (torch.nn.functional.normalize(queries, dim=-1) @ torch.nn.functional.normalize(train, dim=-1).T)
+    nearest = torch.nn.functional.normalize(queries, dim=-1) @ torch.nn.functional.normalize(train, dim=-1).T
     expected = labels[nearest.argmax(-1)]
     assert torch.equal(evaluation.knn_classify(train, labels, queries, 3, k=1, temperature=5.0), expected)
     # k larger than the training set is clipped, not an error

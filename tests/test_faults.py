@@ -71,7 +71,9 @@ def test_a_non_finite_micro_batch_skips_the_whole_accumulated_step(tmp_path):
         guard = StepGuard()
         before = model.weight.detach().clone()
         # The first micro-batch is corrupt, the second fine: the step is still skipped.
-        assert not _guarded_step(accelerator, model, optimizer, guard, [torch.full((3,), float("nan")), torch.zeros(3)]).applied
+        assert not _guarded_step(
+            accelerator, model, optimizer, guard, [torch.full((3,), float("nan")), torch.zeros(3)]
+        ).applied
         assert torch.equal(model.weight, before) and model.weight.grad is None
         # The next step starts from clean gradients and applies.
         assert _guarded_step(accelerator, model, optimizer, guard, [torch.zeros(3), torch.zeros(3)]).applied
@@ -147,10 +149,14 @@ def test_different_channel_counts():
 def test_teacher_normalisation_differing_from_the_student_pipeline(tmp_path):
     # DINOv3's satellite (SAT-493M) checkpoints normalise with these statistics, not ImageNet's.
     (tmp_path / "preprocessor_config.json").write_text(
-        '{"image_mean": [0.430, 0.411, 0.296], "image_std": [0.213, 0.156, 0.143]}')
+        '{"image_mean": [0.430, 0.411, 0.296], "image_std": [0.213, 0.156, 0.143]}'
+    )
     teacher = teacher_normalization(str(tmp_path))
     assert teacher == ([0.43, 0.411, 0.296], [0.213, 0.156, 0.143])
-    with pytest.raises(ValueError, match=r"teacher expects images normalised with mean \[0.43, 0.411, 0.296\].*"
-                                         r"student's data pipeline normalises with mean \[0.485"):
+    with pytest.raises(
+        ValueError,
+        match=r"teacher expects images normalised with mean \[0.43, 0.411, 0.296\].*"
+        r"student's data pipeline normalises with mean \[0.485",
+    ):
         check_teacher_student(tiny_dinov3_config(), tiny_config(), [32], teacher, IMAGENET)
     assert teacher_normalization(str(tmp_path / "no-config")) is None  # unknown: not checked

@@ -119,7 +119,9 @@ def finetuned(tmp_path_factory) -> Path:
     write_image_folder(root / "train", per_class=6, seed=0)
     write_image_folder(root / "validation", per_class=2, seed=1)
     VecaModel(tiny_config()).save_pretrained(root / "tiny")
-    VecaImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(root / "tiny")
+    VecaImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(
+        root / "tiny"
+    )
     output_dir = root / "out"
     env = {
         **os.environ,

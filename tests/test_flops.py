@@ -97,7 +97,7 @@ def test_veca_b_block_1024_counted_on_real_tensors():
 @pytest.mark.parametrize("model", ["VECA", "DINOv3"])
 def test_block_table_analytic(size, model):
     hidden_size, _ = SIZES[size]
-    for resolution, expected in zip(RESOLUTIONS, PAPER_BLOCK_GFLOPS[(size, model)]):
+    for resolution, expected in zip(RESOLUTIONS, PAPER_BLOCK_GFLOPS[(size, model)], strict=True):
         num_patches = (resolution // 16) ** 2
         if model == "VECA":
             flops = attention_block_flops(hidden_size, num_patches, num_cores=NUM_CORES)
@@ -112,7 +112,7 @@ def test_block_table_analytic(size, model):
 def test_block_table_counted(size):
     hidden_size, _ = SIZES[size]
     for resolution, veca, dense in zip(
-        RESOLUTIONS, PAPER_BLOCK_GFLOPS[(size, "VECA")], PAPER_BLOCK_GFLOPS[(size, "DINOv3")]
+        RESOLUTIONS, PAPER_BLOCK_GFLOPS[(size, "VECA")], PAPER_BLOCK_GFLOPS[(size, "DINOv3")], strict=True
     ):
         num_patches = (resolution // 16) ** 2
         counted = count_veca_block(size, resolution)
@@ -128,7 +128,7 @@ def test_block_veca_cheaper_than_dense_at_high_resolution_only():
     for size in SIZES:
         veca, dense = PAPER_BLOCK_GFLOPS[(size, "VECA")], PAPER_BLOCK_GFLOPS[(size, "DINOv3")]
         assert veca[0] > dense[0]
-        assert all(v < d for v, d in zip(veca[1:], dense[1:]))
+        assert all(v < d for v, d in zip(veca[1:], dense[1:], strict=False))
 
 
 def test_block_flops_arguments():
@@ -230,10 +230,10 @@ def test_flops_grow_with_budget():
     pixel_values = torch.randn(1, 3, 64, 48)
     counted = [count_flops(model, pixel_values, num_core_tokens=c) for c in config.budgets]
     assert counted == [veca_model_flops(config, 64, 48, c) for c in config.budgets]
-    assert all(a < b for a, b in zip(counted, counted[1:]))
+    assert all(a < b for a, b in zip(counted, counted[1:], strict=False))
 
     config = VecaConfig.from_preset("veca-b16")
     analytic = [veca_model_flops(config, 1024, 1024, c) for c in config.budgets]
-    assert all(a < b for a, b in zip(analytic, analytic[1:]))
+    assert all(a < b for a, b in zip(analytic, analytic[1:], strict=False))
     blocks = [attention_block_flops(768, 4096, num_cores=c) for c in config.budgets]
-    assert all(a < b for a, b in zip(blocks, blocks[1:]))
+    assert all(a < b for a, b in zip(blocks, blocks[1:], strict=False))

@@ -1,4 +1,5 @@
-"""`veca_hf.hub.resolve_teacher`: can the named teacher be loaded, else a clear error or (opted in) the demo's stand-in.
+"""`veca_hf.hub.resolve_teacher`: can the named teacher be loaded, else a clear error or (opted in) the demo's
+stand-in.
 
 No network: the Hub calls are replaced by stubs and the stand-in's extraction by a recorder.
 """
@@ -37,7 +38,9 @@ def test_resolve_teacher_offline_needs_the_opt_in_to_fall_back(tmp_path, monkeyp
     """A teacher that cannot be loaded is an error naming it, the cause and the opt-in; opted in, the fallback."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError) as error:
-        resolve_teacher("veca-test/not-a-cached-teacher", tmp_path / "fallback", fallback_flag="--allow_teacher_fallback")
+        resolve_teacher(
+            "veca-test/not-a-cached-teacher", tmp_path / "fallback", fallback_flag="--allow_teacher_fallback"
+        )
     message = str(error.value)
     assert "'veca-test/not-a-cached-teacher'" in message and "offline mode" in message
     assert "--allow_teacher_fallback" in message
@@ -109,8 +112,9 @@ def test_resolve_teacher_names_the_demo_extra_when_it_is_missing(tmp_path, monke
         resolve_teacher("org/teacher", allow_fallback=True)
 
 
-def test_resolve_teacher_on_all_ranks_returns_or_raises_the_main_process_answer(tmp_path, monkeypatch, accelerator,
-                                                                                fallback_calls):
+def test_resolve_teacher_on_all_ranks_returns_or_raises_the_main_process_answer(
+    tmp_path, monkeypatch, accelerator, fallback_calls
+):
     assert hub.resolve_teacher_on_all_ranks(accelerator, str(tmp_path), tmp_path / "fallback") == str(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="Cannot use teacher 'veca-test/not-cached'.*--allow_teacher_fallback"):

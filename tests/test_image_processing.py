@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageFilter
-
 from transformers import AutoImageProcessor
 
 import veca_hf

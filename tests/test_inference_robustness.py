@@ -343,7 +343,7 @@ def test_threads_get_the_outputs_of_one_thread(model):
     for index, (hidden, coordinates) in enumerate(results):
         want_hidden, want_coordinates = expected[index % len(THREAD_JOBS)]
         assert torch.equal(hidden, want_hidden), f"job {jobs[index]}"
-        assert all(torch.equal(a, b) for a, b in zip(coordinates, want_coordinates)), f"job {jobs[index]}"
+        assert all(torch.equal(a, b) for a, b in zip(coordinates, want_coordinates, strict=True)), f"job {jobs[index]}"
 
 
 def test_threads_inside_cpu_inference_buffers(model, monkeypatch):

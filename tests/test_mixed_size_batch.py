@@ -171,7 +171,7 @@ def test_backbone_maps_are_exact_per_image(reshape_hidden_states):
         batch = backbone(pixel_values, pixel_mask=pixel_mask).feature_maps
         for index, image in enumerate(images):
             rows, cols = image.shape[1] // PATCH, image.shape[2] // PATCH
-            for batch_map, single_map in zip(batch, backbone(image[None]).feature_maps):
+            for batch_map, single_map in zip(batch, backbone(image[None]).feature_maps, strict=True):
                 if reshape_hidden_states:  # (B, D, Hp, Wp): the image's top-left region
                     region = batch_map[index, :, :rows, :cols]
                 else:  # (B, 1 + N, D): the global core, then the image's own patches of the padded grid
@@ -241,7 +241,10 @@ def test_processor_pads_and_returns_the_pixel_mask(photos, processor_class):
         assert pixel_mask[index, :height, :width].all() and pixel_mask[index].sum() == height * width
         torch.testing.assert_close(pixel_values[index, :, :height, :width], own["pixel_values"][0])
         assert (pixel_values[index][:, pixel_mask[index] == 0] == 0).all()
-    assert pixel_values.shape[-2:] == (max(m.any(1).sum() for m in pixel_mask), max(m.any(0).sum() for m in pixel_mask))
+    assert pixel_values.shape[-2:] == (
+        max(m.any(1).sum() for m in pixel_mask),
+        max(m.any(0).sum() for m in pixel_mask),
+    )
 
 
 @pytest.mark.parametrize("processor_class", processor_classes())
@@ -290,5 +293,5 @@ def test_feature_extraction_pipeline_batches_mixed_sizes(photos, tmp_path):
     single = VecaImageProcessorPil.for_any_size(64, size={"shortest_edge": 64, "longest_edge": 112})
     with torch.no_grad():
         expected = [model(**single(photo, return_tensors="pt")).pooler_output for photo in photos]
-    for got, want in zip(pooled, expected):
+    for got, want in zip(pooled, expected, strict=True):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

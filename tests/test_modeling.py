@@ -8,7 +8,7 @@ from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veca_hf import VECA_PRESETS, VecaConfig, VecaModel, modeling_veca
+from veca_hf import VECA_PRESETS, VecaConfig, VecaModel
 from veca_hf.modeling_veca import farthest_point_core_coordinates
 
 
@@ -223,7 +223,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, pixel_va
         torch.manual_seed(1)  # same coordinate-augmentation draw
         pixels = pixel_values.clone().requires_grad_(use_reentrant)
         m(pixels, num_core_tokens=16).last_hidden_state.pow(2).mean().backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), checkpointed.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), checkpointed.named_parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
@@ -301,11 +301,18 @@ def test_torch_export_with_dynamic_batch(pixel_values):
     model = make_model()
     batch = torch.export.Dim("batch", min=1, max=8)
     exported = torch.export.export(
-        model, (pixel_values,), kwargs={"num_core_tokens": 8, "return_dict": False}, dynamic_shapes=({0: batch}, None, None)
+        model,
+        (pixel_values,),
+        kwargs={"num_core_tokens": 8, "return_dict": False},
+        dynamic_shapes=({0: batch}, None, None),
     )
     bigger = torch.randn(4, 3, 64, 48)
-    torch.testing.assert_close(exported.module()(bigger, num_core_tokens=8, return_dict=False)[0],
-                               model(bigger, num_core_tokens=8).last_hidden_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        exported.module()(bigger, num_core_tokens=8, return_dict=False)[0],
+        model(bigger, num_core_tokens=8).last_hidden_state,
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_torch_compile_fullgraph(pixel_values):
@@ -357,7 +364,7 @@ def test_patch_embedding_gemm_equals_the_convolution():
     weights = torch.randn_like(expected)
     grads = torch.autograd.grad((patches * weights).sum(), (pixel_values, conv.weight, conv.bias))
     expected_grads = torch.autograd.grad((expected * weights).sum(), (pixel_values, conv.weight, conv.bias))
-    for grad, expected_grad in zip(grads, expected_grads):
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)
 
 
@@ -386,8 +393,14 @@ def test_from_pretrained_with_a_device_map_that_offloads_to_cpu_and_disk(tmp_pat
     model = make_model()
     model.save_pretrained(tmp_path / "veca")
     layers = [f"encoder.layer.{index}" for index in range(model.config.num_hidden_layers)]
-    device_map = {"embeddings": "disk", "rope_embeddings": "cpu", "encoder.core_coordinate_heads": "cpu", "norm": "cpu",
-                  layers[0]: "disk", **{name: "cpu" for name in layers[1:]}}
+    device_map = {
+        "embeddings": "disk",
+        "rope_embeddings": "cpu",
+        "encoder.core_coordinate_heads": "cpu",
+        "norm": "cpu",
+        layers[0]: "disk",
+        **{name: "cpu" for name in layers[1:]},
+    }
     offloaded = VecaModel.from_pretrained(
         tmp_path / "veca", device_map=device_map, offload_folder=str(tmp_path / "offload"), offload_state_dict=True
     ).eval()
@@ -475,7 +488,7 @@ def test_cpu_inference_buffers_change_no_value(monkeypatch, hidden_act, pixel_va
     monkeypatch.setattr(inference, "FRESH_MMAP_BYTES", 0)  # the tiny model's outputs are all small
     with torch.no_grad(), inference.cpu_inference_buffers(model):
         actual = model(pixel_values, num_core_tokens=16, output_hidden_states=True)
-    for got, want in zip(actual.hidden_states, expected.hidden_states):
+    for got, want in zip(actual.hidden_states, expected.hidden_states, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # with autograd the patched modules run as usual, and leaving the context restores the class forwards
     with inference.cpu_inference_buffers(model):
@@ -492,7 +505,7 @@ def test_cpu_inference_buffers_are_shared_across_blocks(monkeypatch):
     outputs = {}
     with torch.no_grad(), inference.cpu_inference_buffers(model):
         hidden_states = torch.randn(2, 20, 64)
-        for index, layer in enumerate(model.encoder.layer):
+        for layer in model.encoder.layer:
             qkv = layer.attention.qkv_proj(hidden_states)
             projection = layer.attention.qkv_proj
             expected = torch.nn.functional.linear(hidden_states, projection.weight, projection.bias)

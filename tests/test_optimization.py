@@ -43,17 +43,28 @@ def test_normuon_takes_the_blocks_hidden_matrices_but_the_last_mlp_output():
                       for name in ("attention.qkv_proj", "attention.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
                       if (i, name) != (1, "mlp.down_proj")]  # fmt: skip
     # AdamW, decayed: the patch embedding, the last MLP output, the coordinate head, the loss's projection
-    assert decayed == ["student.embeddings.patch_embeddings.weight", "student.encoder.layer.1.mlp.down_proj.weight",
-                       "student.encoder.core_coordinate_heads.0.proj.weight", "criterion.projection.weight"]
+    assert decayed == [
+        "student.embeddings.patch_embeddings.weight",
+        "student.encoder.layer.1.mlp.down_proj.weight",
+        "student.encoder.core_coordinate_heads.0.proj.weight",
+        "criterion.projection.weight",
+    ]
     # AdamW, not decayed: cores, coordinates, step scales, norms and biases
-    assert {"student.embeddings.core_tokens.0", "student.embeddings.core_coordinates.1",
-            "student.encoder.core_coordinate_heads.0.step", "student.norm.weight",
-            "student.encoder.layer.0.attention.qkv_proj.bias", "criterion.projection.bias"} <= set(not_decayed)
+    assert {
+        "student.embeddings.core_tokens.0",
+        "student.embeddings.core_coordinates.1",
+        "student.encoder.core_coordinate_heads.0.step",
+        "student.norm.weight",
+        "student.encoder.layer.0.attention.qkv_proj.bias",
+        "criterion.projection.bias",
+    } <= set(not_decayed)
     assert not any(name.endswith("weight") and "norm" not in name for name in not_decayed)
     assert sorted(hidden + decayed + not_decayed) == sorted(name for name, _ in model.named_parameters())
     groups = optimizer.param_groups
     assert [g["weight_decay"] for g in groups] == [0.05, 0.05, 0.0] and {g["lr"] for g in groups} == {1e-3}
-    assert groups[0]["use_adjusted_lr"] and groups[0]["ns_coeffs"] != groups[0].get("original")  # Moonlight, Polar Express
+    assert groups[0]["use_adjusted_lr"] and groups[0]["ns_coeffs"] != groups[0].get(
+        "original"
+    )  # Moonlight, Polar Express
 
 
 def test_the_dense_control_gets_the_same_split():
@@ -76,7 +87,11 @@ def test_normuon_and_adamw_train_differently_and_stay_finite():
         model = VecaModel(tiny_config())
         optimizer = build_optimizer(model, name, 1e-2)
         for _ in range(3):
-            loss = model(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))).last_hidden_state.pow(2).mean()
+            loss = (
+                model(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)))
+                .last_hidden_state.pow(2)
+                .mean()
+            )
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -110,7 +125,7 @@ def test_warmup_starts_from_the_minimum_learning_rate_when_asked():
     paper, default = learning_rates(True), learning_rates(False)
     assert paper[0] == pytest.approx(1e-4) and default[0] == 0.0
     assert paper[3] == pytest.approx(1e-3)  # the peak at the end of the warm-up
-    assert all(a < b for a, b in zip(paper[:4], paper[1:4]))
+    assert all(a < b for a, b in zip(paper[:4], paper[1:4], strict=False))
     # then the same cosine to the minimum (transformers' warm-up-rate schedule runs it one step earlier)
     assert paper[4:-1] == pytest.approx(default[5:]) and paper[-1] == pytest.approx(1e-4)
     with pytest.raises(ValueError, match="min_learning_rate 0.01 must lie between 0 and learning_rate 0.001"):
@@ -127,7 +142,9 @@ def dinov2_teacher(patch_size: int = 16, hidden_size: int = 64) -> Dinov2Model:
 @pytest.mark.parametrize("student_kind", ["veca", "dense"])
 def test_auto_copies_the_teacher_patch_embedding_when_the_shapes_match(teacher_kind, student_kind, caplog):
     teacher = dinov2_teacher() if teacher_kind == "dinov2" else DINOv3ViTModel(tiny_dinov3_config())
-    student = VecaModel(tiny_config()) if student_kind == "veca" else DINOv3ViTModel(dense_student_config(tiny_config()))
+    student = (
+        VecaModel(tiny_config()) if student_kind == "veca" else DINOv3ViTModel(dense_student_config(tiny_config()))
+    )
     with caplog.at_level(logging.INFO):
         assert init_patch_embeddings_from_teacher(student, teacher, "auto")
     source, target = patch_embedding_conv(teacher), patch_embedding_conv(student)

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from reference_veca import (  # noqa: E402
@@ -16,15 +17,44 @@ from reference_veca import (  # noqa: E402
     strip_reference_prefixes,
 )
 
+
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CKPT = os.path.join(FIXTURES, "tiny_reference.pth")
 VECTORS = os.path.join(FIXTURES, "tiny_vectors.safetensors")
 
 RESEARCH_CODE_ROPE_EXAMPLE = [  # head size 32, coordinate (0.25, -0.5), computed with the paper's research code
-    -1, 0, -1.0494, 3.4495, 1.1338, 6.3019, 3.8374, 8.383, 6.4936,
-    10.1407, 8.9906, 11.8393, 11.3397, 13.5798, 14, 15, -16, -17, 15.1339,
-    -21.3533, 28.5122, -5.2967, 30.8464, 7.842, 30.5508, 16.36, 30.3405,
-    22.0103, 30.7382, 26.0799, 30, 31,
+    -1,
+    0,
+    -1.0494,
+    3.4495,
+    1.1338,
+    6.3019,
+    3.8374,
+    8.383,
+    6.4936,
+    10.1407,
+    8.9906,
+    11.8393,
+    11.3397,
+    13.5798,
+    14,
+    15,
+    -16,
+    -17,
+    15.1339,
+    -21.3533,
+    28.5122,
+    -5.2967,
+    30.8464,
+    7.842,
+    30.5508,
+    16.36,
+    30.3405,
+    22.0103,
+    30.7382,
+    26.0799,
+    30,
+    31,
 ]
 
 

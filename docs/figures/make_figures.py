@@ -44,7 +44,13 @@ def draw_core_positions(ax) -> None:
         size = 80 if chunk == 0 else 50 if chunk == 1 else 25
         budget = {0: "  (C = 8)", 1: "  (C = 16)", 7: "  (C = 64)"}.get(chunk, "")
         ax.scatter(
-            points[:, 0], points[:, 1], s=size, color=colours[chunk], edgecolor="black", linewidth=0.5, zorder=3,
+            points[:, 0],
+            points[:, 1],
+            s=size,
+            color=colours[chunk],
+            edgecolor="black",
+            linewidth=0.5,
+            zorder=3,
             label=f"cores {8 * chunk + 1}-{8 * chunk + 8}{budget}",
         )
     for index in range(8):  # number the first chunk
@@ -63,7 +69,11 @@ def draw_attention_pattern(fig, ax) -> None:
     torch.manual_seed(0)
     # NOTE: a larger init range than the default 0.02 only makes the random model's attention less uniform.
     config = VecaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170, num_core_tokens=16,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=170,
+        num_core_tokens=16,
         initializer_range=0.3,
     )
     model = VecaModel(config).eval()
@@ -82,8 +92,15 @@ def draw_attention_pattern(fig, ax) -> None:
     ax.axvline(num_cores - 0.5, color="tab:red", lw=1.5)
 
     centre_cores, centre_patches = (num_cores - 1) / 2, num_cores + (num_tokens - num_cores - 1) / 2
-    ax.text(centre_patches, centre_patches, "patch -> patch\nexactly 0\n(never computed)", ha="center", va="center",
-            fontsize=9, color="0.25")
+    ax.text(
+        centre_patches,
+        centre_patches,
+        "patch -> patch\nexactly 0\n(never computed)",
+        ha="center",
+        va="center",
+        fontsize=9,
+        color="0.25",
+    )
     ax.set_xticks([centre_cores, centre_patches], [f"cores 1-{num_cores}", "patches (0,0) ... (3,3), row-major"])
     ax.set_yticks(
         [centre_cores, centre_patches],

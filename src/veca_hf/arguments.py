@@ -48,7 +48,12 @@ def redact_secrets(values):
     if isinstance(values, dict):
         redacted = {}
         for name, value in values.items():
-            if value is not None and value != "" and _is_secret_name(str(name)) and not isinstance(value, (dict, bool)):
+            if (
+                value is not None
+                and value != ""
+                and _is_secret_name(str(name))
+                and not isinstance(value, (dict, bool))
+            ):
                 redacted[name] = f"<{str(name).upper()}>" if str(name).endswith("_token") else "<REDACTED>"
             else:
                 redacted[name] = redact_secrets(value)
@@ -71,7 +76,9 @@ def _read_args_file(path: str) -> dict:
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ValueError(f"The arguments file {path!r} must hold a mapping of flag names to values, got {type(values).__name__}.")
+        raise ValueError(
+            f"The arguments file {path!r} must hold a mapping of flag names to values, got {type(values).__name__}."
+        )
     return values
 
 

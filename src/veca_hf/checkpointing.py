@@ -40,8 +40,9 @@ def _accelerate_warnings_only() -> Iterator[None]:
     try:
         yield
     finally:
-        for item, level in zip(loggers, levels):
+        for item, level in zip(loggers, levels, strict=True):
             item.setLevel(level)
+
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 TRAINING_STATE_NAME = "training_state.json"
@@ -59,7 +60,9 @@ def checkpoint_steps(checkpoints_dir: str | Path) -> list[int]:
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
         return []
-    steps = [int(m.group(1)) for p in checkpoints_dir.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name)) and p.is_dir()]
+    steps = [
+        int(m.group(1)) for p in checkpoints_dir.iterdir() if (m := CHECKPOINT_PATTERN.match(p.name)) and p.is_dir()
+    ]
     return sorted(steps)
 
 
@@ -141,7 +144,8 @@ def find_latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     if problems:
         listing = "; ".join(f"{folder.name}: {why}" for folder, why in problems)
         raise ValueError(
-            f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} ({listing}). Resume from an "
+            f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} ({listing}). Resume from "
+            "an "
             "intact copy (--resume_from_checkpoint <folder>), or move these folders away and leave out "
             "--resume_from_checkpoint to start from scratch."
         )
@@ -165,7 +169,9 @@ def resolve_resume_path(resume_from_checkpoint: str | None, checkpoints_dir: str
     if resume_from_checkpoint == "latest":
         path = find_latest_checkpoint(checkpoints_dir)
         if path is None:
-            logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_dir} yet, starting at step 0.")
+            logger.warning(
+                f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_dir} yet, starting at step 0."
+            )
         return path
     path = Path(resume_from_checkpoint)
     problem = checkpoint_problem(path)
@@ -177,8 +183,15 @@ def resolve_resume_path(resume_from_checkpoint: str | None, checkpoints_dir: str
     return path
 
 
-def save_checkpoint(accelerator, checkpoints_dir: str | Path, step: int, training_state: dict, process_state: dict,
-                    total_limit: int | None = None, check_finite: tuple = ()) -> Path:
+def save_checkpoint(
+    accelerator,
+    checkpoints_dir: str | Path,
+    step: int,
+    training_state: dict,
+    process_state: dict,
+    total_limit: int | None = None,
+    check_finite: tuple = (),
+) -> Path:
     """Saves model, optimiser, RNG and registered objects (Accelerate), plus JSON state and a manifest, atomically.
 
     Args:
@@ -235,8 +248,10 @@ def save_checkpoint(accelerator, checkpoints_dir: str | Path, step: int, trainin
         previous = [s for s in checkpoint_steps(checkpoints_dir) if s != step]
         kept = f"checkpoint-{previous[-1]} and older are" if previous else "no earlier checkpoint was"
         cause = f"{type(error).__name__}: {error}" if error is not None else "writing failed on another process"
-        disk_full = error is not None and (getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
-                                           or any(text in str(error) for text in _DISK_FULL_TEXTS))
+        disk_full = error is not None and (
+            getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+            or any(text in str(error) for text in _DISK_FULL_TEXTS)
+        )
         raise RuntimeError(
             f"Could not save checkpoint-{step} in {checkpoints_dir} ({cause})"
             f"{': the disk is full' if disk_full else ''}. The partial folder was removed and {kept} untouched. "
@@ -255,8 +270,11 @@ def save_checkpoint(accelerator, checkpoints_dir: str | Path, step: int, trainin
 
 def _rotate(checkpoints_dir: Path, total_limit: int) -> None:
     """Delete every checkpoint older than the newest `total_limit` complete ones (sizes checked, not checksums)."""
-    complete = [s for s in checkpoint_steps(checkpoints_dir)
-                if checkpoint_problem(checkpoints_dir / f"checkpoint-{s}", verify_checksums=False) is None]
+    complete = [
+        s
+        for s in checkpoint_steps(checkpoints_dir)
+        if checkpoint_problem(checkpoints_dir / f"checkpoint-{s}", verify_checksums=False) is None
+    ]
     if len(complete) <= total_limit:
         return
     oldest_kept = complete[-total_limit]

@@ -1,5 +1,6 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Convert a checkpoint of the VECA research code (arXiv 2605.12491, see docs/conversion.md) into a Hugging Face folder.
+"""Convert a checkpoint of the VECA research code (arXiv 2605.12491, see docs/conversion.md) into a Hugging Face
+folder.
 
     python -m veca_hf.convert_veca_original --checkpoint student.pth --output-dir veca-b16 [--push_to_hub]
 
@@ -90,7 +91,9 @@ def infer_config(state_dict: dict[str, torch.Tensor], checkpoint_config: dict | 
     required = ["patch_embed.proj.weight", "query_token_chunks.0", "blocks.0.fc2.weight", "final_norm.weight"]
     missing = [key for key in required if key not in state_dict]
     if missing:
-        raise ValueError(f"Not a VECA reference checkpoint: missing {missing}. Keys start with {sorted(state_dict)[:5]}.")
+        raise ValueError(
+            f"Not a VECA reference checkpoint: missing {missing}. Keys start with {sorted(state_dict)[:5]}."
+        )
 
     hidden_size, num_channels, patch_size, _ = state_dict["patch_embed.proj.weight"].shape
     num_layers = 1 + max(int(m.group(1)) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.", k)))
@@ -113,7 +116,8 @@ def infer_config(state_dict: dict[str, torch.Tensor], checkpoint_config: dict | 
         stored.setdefault("nested_chunk_size", stored["matryoshka_chunk_size"])
     if "mlp_ratio" in stored and int(hidden_size * stored["mlp_ratio"]) != intermediate_size:
         raise ValueError(
-            f"The checkpoint config says mlp_ratio={stored['mlp_ratio']} (hidden {int(hidden_size * stored['mlp_ratio'])}) "
+            f"The checkpoint config says mlp_ratio={stored['mlp_ratio']} (hidden "
+            f"{int(hidden_size * stored['mlp_ratio'])}) "
             f"but fc2 has {intermediate_size} inputs."
         )
     conflicts = {k: (stored[k], v) for k, v in inferred.items() if k in stored and stored[k] != v}

@@ -110,7 +110,9 @@ def _check_tar(file: str) -> None:
         for member in tar:
             end = member.offset_data + member.size
             if end > size:
-                raise tarfile.ReadError(f"member {member.name!r} is cut off ({size - member.offset_data} of {member.size} bytes)")
+                raise tarfile.ReadError(
+                    f"member {member.name!r} is cut off ({size - member.offset_data} of {member.size} bytes)"
+                )
     if size < end + 2 * tarfile.BLOCKSIZE:  # a complete archive ends with two zero blocks
         raise tarfile.ReadError("no end-of-archive marker (the file is cut short)")
 
@@ -238,8 +240,10 @@ def load_image_dataset(
             data_files = DataFilesDict.from_patterns(get_data_patterns(path), path)
             extension = _SHARD_EXTENSIONS[builder]
             broken = {os.path.abspath(file) for file in broken}
-            data_files = {name: [f for f in split_files if f.lower().endswith(extension) and os.path.abspath(f) not in broken]
-                          for name, split_files in data_files.items()}
+            data_files = {
+                name: [f for f in split_files if f.lower().endswith(extension) and os.path.abspath(f) not in broken]
+                for name, split_files in data_files.items()
+            }
             if not data_files.get(split):
                 raise ValueError(f"Every {extension} shard of split {split!r} in {dataset_name!r} is broken.")
             return datasets.load_dataset(builder, data_files=data_files, split=split, streaming=streaming)
@@ -375,7 +379,8 @@ def build_transform(image_processor, train: bool, recipe: str = "distillation") 
         crop = resize_to if isinstance(resize_to, tuple) else (resize_to, resize_to)
     if image_processor.do_rescale and image_processor.rescale_factor != 1 / 255:
         raise ValueError(
-            f"`rescale_factor` {image_processor.rescale_factor} is not supported (only 1/255, uint8 images to [0, 1]): "
+            f"`rescale_factor` {image_processor.rescale_factor} is not supported (only 1/255, uint8 images to [0, "
+            "1]): "
             "set `do_rescale=False` and fold the scale into `image_mean` / `image_std`."
         )
     resample = image_processor.resample  # a PIL filter (an int in saved configs) or a torchvision mode
@@ -626,7 +631,9 @@ class ImageStream(torch.utils.data.IterableDataset):
         if samples_per_worker is not None:
             samples_per_worker = tuple(int(count) for count in samples_per_worker)
             if not samples_per_worker or min(samples_per_worker) < 0:
-                raise ValueError(f"`samples_per_worker` must be non-negative counts, one per worker, got {samples_per_worker}.")
+                raise ValueError(
+                    f"`samples_per_worker` must be non-negative counts, one per worker, got {samples_per_worker}."
+                )
         self.skip_samples = samples_per_worker
 
     def _rank_dataset(self, epoch: int) -> datasets.IterableDataset:
@@ -668,7 +675,8 @@ class ImageStream(torch.utils.data.IterableDataset):
         if self.skip_samples is not None and len(self.skip_samples) != num_workers:
             raise ValueError(
                 f"set_skip got {len(self.skip_samples)} counts {self.skip_samples} but the stream runs with "
-                f"{num_workers} DataLoader worker(s): resume with the number of workers the checkpoint was written with."
+                f"{num_workers} DataLoader worker(s): resume with the number of workers the checkpoint was written "
+                "with."
             )
         values = self._indexed_values(self._rank_dataset(epoch), num_workers, worker_id)
         while True:
@@ -722,8 +730,9 @@ def resume_plan(worker_batches: Sequence[int], last_worker: int, batch_size: int
         raise ValueError(f"`last_worker`={last_worker} is not one of the {num_workers} worker(s).")
     wraps = last_worker == num_workers - 1  # the interrupted cycle was complete: the next batch is worker 0's
     replayed = [int(not wraps and worker <= last_worker and count > 0) for worker, count in enumerate(worker_batches)]
-    return [(count - replay) * batch_size for count, replay in zip(worker_batches, replayed)], sum(replayed)
-
+    return [(count - replay) * batch_size for count, replay in zip(worker_batches, replayed, strict=False)], sum(
+        replayed
+    )
 
 
 def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, position: dict, empty_message: str):
@@ -755,7 +764,9 @@ def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, positi
         stream.set_skip(skip)
         worker_batches = [count // batch_size for count in skip] if skip else [0] * num_workers
         # A DataLoader without a generator would draw its workers' seeds from the global RNG.
-        loader = torch.utils.data.DataLoader(stream, generator=torch.Generator().manual_seed(seed + epoch), **loader_kwargs)
+        loader = torch.utils.data.DataLoader(
+            stream, generator=torch.Generator().manual_seed(seed + epoch), **loader_kwargs
+        )
         position.update(epoch=epoch, batches=consumed, worker_batches=worker_batches, last_worker=num_workers - 1)
         batches, usable = 0, 0
         for index, batch in enumerate(loader):
@@ -770,9 +781,12 @@ def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, positi
         if consumed == 0 and batches == 0:
             raise ValueError(empty_message)
         if consumed == 0 and usable == 0:  # the caller would wait forever for a usable batch
-            raise ValueError("The training stream has no decodable images in this process's share of the data "
-                             f"({batches} batch(es), every image skipped as undecodable or smaller than --min_image_size).")
+            raise ValueError(
+                "The training stream has no decodable images in this process's share of the data "
+                f"({batches} batch(es), every image skipped as undecodable or smaller than --min_image_size)."
+            )
         epoch, consumed, skip, discard = epoch + 1, 0, None, 0
+
 
 def collate_images(examples: list[dict]) -> dict:
     """

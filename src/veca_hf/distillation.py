@@ -83,7 +83,8 @@ class BudgetSampler(WeightedChoice):
 
 
 def paper_budget_weights(count: int) -> list[int]:
-    """Sampling weights growing with the budget as in the paper: `ceil(4 * i / count)` for the i-th smallest, i = 1..count.
+    """Sampling weights growing with the budget as in the paper: `ceil(4 * i / count)` for the i-th smallest budget,
+    i = 1..count.
 
     For the paper's 8 budgets this is `(1, 1, 2, 2, 3, 3, 4, 4)`; for 2 budgets `(2, 4)`, for 4 `(1, 2, 3, 4)`.
     """
@@ -153,7 +154,9 @@ def training_budgets(
         return values, [float(ranked[rank[budget]]) for budget in values]
     weights = _parse_ints(budget_weights, "budget_weights", kind=float)
     if len(weights) != len(values):
-        source = "--budgets" if budgets is not None else f"the student's budgets (num_core_tokens={config.num_core_tokens})"
+        source = (
+            "--budgets" if budgets is not None else f"the student's budgets (num_core_tokens={config.num_core_tokens})"
+        )
         raise ValueError(
             f"--budget_weights {budget_weights!r} has {len(weights)} weights but {source} {values} has {len(values)} "
             "budgets: give one weight per budget, or leave --budget_weights out for the default weights."
@@ -231,8 +234,12 @@ def _patch_size(config) -> int:
 def teacher_normalization(teacher_name_or_path: str) -> tuple[list[float], list[float]] | None:
     """The `(image_mean, image_std)` of a teacher's `preprocessor_config.json` (folder or cached Hub id), or `None`."""
     try:
-        path = cached_file(teacher_name_or_path, "preprocessor_config.json", _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
+        path = cached_file(
+            teacher_name_or_path,
+            "preprocessor_config.json",
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
     except (OSError, ValueError):
         return None
     if path is None:
@@ -303,7 +310,7 @@ def check_teacher_student(
     (teacher_mean, teacher_std), (student_mean, student_std) = teacher_mean_std, student_mean_std
     if len(teacher_mean) != len(student_mean) or any(
         abs(a - b) > tolerance
-        for a, b in zip([*teacher_mean, *teacher_std], [*student_mean, *student_std])
+        for a, b in zip([*teacher_mean, *teacher_std], [*student_mean, *student_std], strict=False)
     ):
         raise ValueError(
             f"The teacher expects images normalised with mean {list(teacher_mean)} and std {list(teacher_std)} (its "
@@ -345,7 +352,9 @@ def compute_teacher_targets(
     height, width = pixel_values.shape[-2:]
     teacher_size = teacher_image_size(height, width, student_patch_size, teacher_patch_size)
     if teacher_size != (height, width):
-        pixel_values = F.interpolate(pixel_values, size=teacher_size, mode="bicubic", antialias=True, align_corners=False)
+        pixel_values = F.interpolate(
+            pixel_values, size=teacher_size, mode="bicubic", antialias=True, align_corners=False
+        )
     num_patches = (height // student_patch_size) * (width // student_patch_size)
 
     micro_batch_size = micro_batch_size or pixel_values.shape[0]
@@ -356,7 +365,8 @@ def compute_teacher_targets(
         if hidden.shape[1] - num_prefix_tokens != num_patches:
             raise ValueError(
                 f"The teacher returned {hidden.shape[1]} tokens for a {teacher_size[0]}x{teacher_size[1]} image; "
-                f"after {num_prefix_tokens} CLS/register tokens that is {hidden.shape[1] - num_prefix_tokens} patches, "
+                f"after {num_prefix_tokens} CLS/register tokens that is {hidden.shape[1] - num_prefix_tokens} "
+                "patches, "
                 f"but the student has {num_patches}. Check the teacher's patch size and registers."
             )
         cls_parts.append(hidden[:, 0].float())
@@ -460,7 +470,8 @@ def init_patch_embeddings_from_teacher(student: nn.Module, teacher: nn.Module, m
         same = shapes["teacher"] == shapes["student"] and (source.bias is None) == (target.bias is None)
         if not same:
             message = (
-                f"the teacher's patch convolution has weight shape {shapes['teacher']} (bias: {source.bias is not None}) "
+                f"the teacher's patch convolution has weight shape {shapes['teacher']} (bias: "
+                f"{source.bias is not None}) "
                 f"and the student's {shapes['student']} (bias: {target.bias is not None})"
             )
             if mode == "yes":
@@ -537,7 +548,6 @@ class StudentWithLoss(nn.Module):
         return self.criterion(outputs.pooler_output, student_patches, TeacherTargets(teacher_cls, teacher_patches))
 
 
-
 def build_student_config(
     student_config: str | None = None, student_preset: str | None = None, student_overrides: str | dict | None = None
 ) -> VecaConfig:
@@ -598,9 +608,14 @@ def validation_losses(
     for budget, total in totals.items():
         total = accelerator.reduce(total, reduction="sum")
         count = max(float(total[4]), 1.0)
-        results[budget] = {"loss": float(total[0]) / count, "global_loss": float(total[1]) / count,
-                           "dense_cosine_loss": float(total[2]) / count, "dense_mse_loss": float(total[3]) / count}
+        results[budget] = {
+            "loss": float(total[0]) / count,
+            "global_loss": float(total[1]) / count,
+            "dense_cosine_loss": float(total[2]) / count,
+            "dense_mse_loss": float(total[3]) / count,
+        }
     return results
+
 
 def before_after_table(before: dict | None, after: dict, step: int, resolution: int, num_images: int) -> str:
     """What a run did, per budget, on held-out images: the loss and the cosine of the global and patch features to
@@ -614,7 +629,8 @@ def before_after_table(before: dict | None, after: dict, step: int, resolution: 
 
     lines = [
         f"Held-out images ({num_images} at {resolution} px), "
-        + ("before the first step -> " if before else "") + f"after step {step}:",
+        + ("before the first step -> " if before else "")
+        + f"after step {step}:",
         "| budget C | loss (lower is better) | global cosine to the teacher | patch cosine to the teacher |",
         "|---|---|---|---|",
     ]

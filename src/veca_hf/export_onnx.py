@@ -168,7 +168,7 @@ def verify_onnx(
         with torch.no_grad():
             expected = wrapper(pixel_values.to(next(model.parameters()).dtype))
         actual = session.run(None, {"pixel_values": pixel_values.numpy()})
-        for name, reference, result in zip(wrapper.output_names, expected, actual):
+        for name, reference, result in zip(wrapper.output_names, expected, actual, strict=False):
             if tuple(result.shape) != tuple(reference.shape):
                 raise ValueError(f"ONNX output {name!r} has shape {result.shape}, PyTorch {tuple(reference.shape)}.")
             worst = max(worst, (torch.from_numpy(result) - reference.float()).abs().max().item())

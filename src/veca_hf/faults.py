@@ -77,8 +77,11 @@ def nonfinite_tensor_names(*objects: nn.Module | torch.optim.Optimizer) -> list[
         if not isinstance(obj, nn.Module):
             for position, (parameter, state) in enumerate(obj.state.items()):
                 owner = names.get(id(parameter), f"parameter {position}")
-                named.extend((f"optimizer state {key!r} of {owner}", value) for key, value in state.items()
-                             if isinstance(value, torch.Tensor))
+                named.extend(
+                    (f"optimizer state {key!r} of {owner}", value)
+                    for key, value in state.items()
+                    if isinstance(value, torch.Tensor)
+                )
     named = [(name, tensor) for name, tensor in named if tensor.is_floating_point() and tensor.numel()]
     if not named or bool(torch.stack([torch.isfinite(tensor).all() for _, tensor in named]).all()):
         return []
@@ -197,7 +200,8 @@ class StepGuard:
             if self.consecutive_nonfinite_steps >= self.max_consecutive_nonfinite_steps:
                 raise NonFiniteStepsError(
                     f"{self.consecutive_nonfinite_steps} optimiser steps in a row had a non-finite loss or gradients "
-                    f"(--max_consecutive_nonfinite_steps {self.max_consecutive_nonfinite_steps}); the weights were not "
+                    f"(--max_consecutive_nonfinite_steps {self.max_consecutive_nonfinite_steps}); the weights were "
+                    "not "
                     "updated by any of them. Check the data and the teacher's outputs, lower --learning_rate or set "
                     "--max_grad_norm, then resume from the last checkpoint (--resume_from_checkpoint latest)."
                 )
@@ -208,7 +212,10 @@ class StepGuard:
         return StepOutcome(applied=not nonfinite, stop=stop, grad_norm=grad_norm)
 
     def state_dict(self) -> dict:
-        return {"nonfinite_steps": self.nonfinite_steps, "consecutive_nonfinite_steps": self.consecutive_nonfinite_steps}
+        return {
+            "nonfinite_steps": self.nonfinite_steps,
+            "consecutive_nonfinite_steps": self.consecutive_nonfinite_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
@@ -228,8 +235,8 @@ def nan_teacher_injected(step: int, process_index: int) -> bool:
     return False
 
 
-# A test hook: "STEP" makes the run wait after that optimiser step (and its checkpoint) until it is signalled, so that a
-# test, not a race, decides when a run is interrupted.
+# A test hook: "STEP" makes the run wait after that optimiser step (and its checkpoint) until it is signalled, so
+# that a test, not a race, decides when a run is interrupted.
 PAUSE_ENV = "VECA_HF_TEST_PAUSE_AFTER_STEP"
 
 

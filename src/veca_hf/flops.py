@@ -117,7 +117,7 @@ def attention_block_flops(
 
 
 def veca_model_flops(
-    config: "VecaConfig",
+    config: VecaConfig,
     height: int,
     width: int,
     num_core_tokens: int | None = None,
@@ -248,7 +248,7 @@ def training_flops(forward_flops: int, patch_embedding: int) -> int:
 
 
 def veca_training_flops(
-    config: "VecaConfig", height: int, width: int, num_core_tokens: int | None = None, batch_size: int = 1
+    config: VecaConfig, height: int, width: int, num_core_tokens: int | None = None, batch_size: int = 1
 ) -> int:
     """FLOPs of a [`VecaModel`] forward and backward (see [`training_flops`]; arguments as [`veca_model_flops`])."""
     forward = veca_model_flops(config, height, width, num_core_tokens, batch_size=batch_size)

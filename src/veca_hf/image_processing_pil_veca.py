@@ -256,7 +256,7 @@ class VecaImageProcessingDefaults:
             # NOTE: one image at a time, each to its own size, before the backend's (grouped) pipeline runs.
             multiple = ensure_multiple_of or 1
             sizes = [self.get_aspect_preserving_size(*image.shape[-2:], size, multiple) for image in images]
-            images = [self.resize(image, own, resample=resample) for image, own in zip(images, sizes)]
+            images = [self.resize(image, own, resample=resample) for image, own in zip(images, sizes, strict=False)]
             do_resize = False
         if not do_pad:
             return super()._preprocess(
@@ -270,7 +270,13 @@ class VecaImageProcessingDefaults:
                 **kwargs,
             )
         processed = super()._preprocess(
-            images, do_resize=do_resize, size=size, resample=resample, do_pad=False, pad_size=None, return_tensors=None,
+            images,
+            do_resize=do_resize,
+            size=size,
+            resample=resample,
+            do_pad=False,
+            pad_size=None,
+            return_tensors=None,
             **kwargs,
         )["pixel_values"]  # a list
         pixel_values, pixel_mask = self.pad(processed, pad_size=pad_size, return_mask=True)  # bottom and right

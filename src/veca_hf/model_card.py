@@ -87,8 +87,10 @@ def resolve_hub_model_id(
     if not push_to_hub:
         given = [name for name, value in (("--hub_model_id", hub_model_id), ("--hub_token", hub_token)) if value]
         if given:
-            raise ValueError(f"{' and '.join(given)} given without --push_to_hub: add --push_to_hub to upload the "
-                             f"folder, or drop {' and '.join(given)}.")
+            raise ValueError(
+                f"{' and '.join(given)} given without --push_to_hub: add --push_to_hub to upload the "
+                f"folder, or drop {' and '.join(given)}."
+            )
         return None
     return hub_model_id or Path(output_dir).absolute().name
 
@@ -277,8 +279,9 @@ def write_model_card(
             model if model is not None else load_saved_model(model_dir), resolutions, latency_repeats
         )
     with torch.device("meta"):  # shapes only: counts parameters without memory or initialisation
-        num_parameters = sum(p.numel() for p in (VecaForImageClassification if is_classifier else VecaModel)(
-            config).parameters())
+        num_parameters = sum(
+            p.numel() for p in (VecaForImageClassification if is_classifier else VecaModel)(config).parameters()
+        )
 
     card_data = ModelCardData(
         license=license,
@@ -293,7 +296,8 @@ def write_model_card(
     sections = [f"# {model_id.split('/')[-1]}"]
     sections.append(
         f"A VECA (Visual Elastic Core Attention, [arXiv 2605.12491]({PAPER_URL})) vision transformer: its patches "
-        "never attend to each other, they exchange information only through a bank of learned *core* tokens. A prefix of "
+        "never attend to each other, they exchange information only through a bank of learned *core* tokens. A "
+        "prefix of "
         f"`C` cores is active, chosen per call: the budget `C` (any of {config.budgets}) trades quality for compute "
         "with the same weights, and attention cost grows linearly with the number of patches."
         + (f"\n\n{description}" if description else "")
@@ -301,7 +305,8 @@ def write_model_card(
 
     head = "a linear classifier on the first core" if is_classifier else "no head (features)"
     details = [
-        "| | |", "|---|---|",
+        "| | |",
+        "|---|---|",
         f"| class | `{'VecaForImageClassification' if is_classifier else 'VecaModel'}`, {head} |",
         f"| parameters | {num_parameters / 1e6:.2f}M |",
         f"| layers / width / heads / MLP | {config.num_hidden_layers} / {config.hidden_size} / "
@@ -312,7 +317,9 @@ def write_model_card(
         "(`config.default_num_core_tokens`) |",
     ]
     if base_model:
-        link = f"[`{base_model}`](https://huggingface.co/{base_model})" if _is_hub_id(base_model) else f"`{base_model}`"
+        link = (
+            f"[`{base_model}`](https://huggingface.co/{base_model})" if _is_hub_id(base_model) else f"`{base_model}`"
+        )
         details.append(f"| base model | {link} |")
     if is_classifier:
         details.append(f"| labels | {config.num_labels} |")
@@ -320,8 +327,10 @@ def write_model_card(
 
     data = "\n".join(f"- `{name}`" for name in datasets) if datasets else "Not recorded for this folder."
     if base_model:
-        data += (f"\n\nThe weights derive from `{base_model}`: check its license for terms that apply to models "
-                 "trained from it.")
+        data += (
+            f"\n\nThe weights derive from `{base_model}`: check its license for terms that apply to models "
+            "trained from it."
+        )
     sections.append("## Training data\n\n" + data)
     if training_details:
         rows = "\n".join(f"| {key} | {value} |" for key, value in training_details.items())
@@ -351,12 +360,16 @@ def write_model_card(
     auto_class = "AutoModelForImageClassification" if is_classifier else "AutoModel"
     budget = config.budgets[len(config.budgets) // 2 - 1] if len(config.budgets) > 1 else config.budgets[0]
     if is_classifier:
-        run = (f"    logits = model(**inputs, num_core_tokens={budget}).logits\n"
-               "print(model.config.id2label[logits.argmax(-1).item()])")
+        run = (
+            f"    logits = model(**inputs, num_core_tokens={budget}).logits\n"
+            "print(model.config.id2label[logits.argmax(-1).item()])"
+        )
     else:
-        run = (f"    outputs = model(**inputs, num_core_tokens={budget})\n"
-               "cores_and_patches = outputs.last_hidden_state  # (1, C + N, D): the C cores first, then the patches\n"
-               "global_feature = outputs.pooler_output  # (1, D): the first core")
+        run = (
+            f"    outputs = model(**inputs, num_core_tokens={budget})\n"
+            "cores_and_patches = outputs.last_hidden_state  # (1, C + N, D): the C cores first, then the patches\n"
+            "global_feature = outputs.pooler_output  # (1, D): the first core"
+        )
     sections.append(
         "## How to use\n\n"
         "```python\nimport torch\nfrom PIL import Image\nimport veca_hf  # registers VECA with the Auto classes\n"
@@ -367,7 +380,7 @@ def write_model_card(
         f"with torch.no_grad():\n{run}\n```\n\n"
         "Without `veca_hf` installed, pass `trust_remote_code=True` to `from_pretrained`: the folder carries its "
         "modeling code. Any height and width that are multiples of "
-        f"{config.patch_size} work. Pipelines (`pipeline(\"{pipeline_tag}\", model=...)`) run at "
+        f'{config.patch_size} work. Pipelines (`pipeline("{pipeline_tag}", model=...)`) run at '
         "`config.default_num_core_tokens`."
     )
     sections.append(

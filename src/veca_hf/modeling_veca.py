@@ -337,7 +337,7 @@ class VecaSwiGLUMLP(nn.Module):
 
 
 class VecaLayer(GradientCheckpointingLayer):
-    """Pre-norm block: core-periphery attention then SwiGLU, no layer scale, no drop path (block l of the reference)."""
+    """Pre-norm block: core-periphery attention then SwiGLU; no layer scale, no drop path (the reference's block)."""
 
     def __init__(self, config: VecaConfig):
         super().__init__()
@@ -391,7 +391,7 @@ class VecaPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
-        """Same as [`PreTrainedModel.get_correct_attn_implementation`], but only `"eager"` and `"sdpa"` are accepted."""
+        """As [`PreTrainedModel.get_correct_attn_implementation`], but only `"eager"` and `"sdpa"` are accepted."""
         attn_implementation = super().get_correct_attn_implementation(requested_attention, is_init_check)
         if attn_implementation not in ("eager", "sdpa"):
             raise ValueError(
@@ -429,7 +429,7 @@ class VecaPreTrainedModel(PreTrainedModel):
                 self.config.core_coordinate_init_candidates,
                 self.config.core_coordinate_init_range,
             )
-            for chunk, value in zip(module, core_coordinates.split(self.config.core_chunk_size)):
+            for chunk, value in zip(module, core_coordinates.split(self.config.core_chunk_size), strict=True):
                 init.copy_(chunk, value)
         elif isinstance(module, VecaCoreCoordinateHead):
             init.constant_(module.step, module.config.core_coordinate_step_init)
@@ -467,7 +467,9 @@ class VecaEncoder(nn.Module):
         all_core_positions = () if output_core_coordinates else None
         for index, layer in enumerate(self.layer):
             if index > 0:
-                core_coordinates = self.core_coordinate_heads[index - 1](hidden_states[:, :num_cores], core_coordinates)
+                core_coordinates = self.core_coordinate_heads[index - 1](
+                    hidden_states[:, :num_cores], core_coordinates
+                )
             core_positions = torch.tanh(core_coordinates)  # (B or 1, C, 2), in [-1, 1]
             core_cos, core_sin = rope_embeddings(core_positions)  # (B or 1, C, Hd) each
             hidden_states, attn_weights = layer(
@@ -600,7 +602,10 @@ class VecaModel(VecaPreTrainedModel):
             )  # (N, 2)
         if self.training:
             patch_coordinates = augment_patch_coordinates(
-                patch_coordinates, self.config.pos_embed_shift, self.config.pos_embed_jitter, self.config.pos_embed_rescale
+                patch_coordinates,
+                self.config.pos_embed_shift,
+                self.config.pos_embed_jitter,
+                self.config.pos_embed_rescale,
             )
         patch_position_embeddings = self.rope_embeddings(patch_coordinates)  # (N, Hd) or (B, N, Hd) each
 
@@ -754,7 +759,7 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
         last_stage = len(self.stage_names) - 1
 
         feature_maps = []
-        for index, (stage_name, hidden_state) in enumerate(zip(self.stage_names, outputs.hidden_states)):
+        for index, (stage_name, hidden_state) in enumerate(zip(self.stage_names, outputs.hidden_states, strict=False)):
             if stage_name not in self.out_features:
                 continue
             if index == last_stage:

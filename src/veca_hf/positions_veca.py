@@ -50,7 +50,8 @@ def get_patch_mask(pixel_mask: torch.Tensor, pixel_values_shape: torch.Size, pat
     patch_mask = pixels.all(dim=4).all(dim=2)  # (B, Hp, Wp)
     if bool((pixels.any(dim=4).any(dim=2) != patch_mask).any()):
         raise ValueError(
-            f"pixel_mask pads inside a patch: with patch_size={patch_size}, every {patch_size}x{patch_size} patch must "
+            f"pixel_mask pads inside a patch: with patch_size={patch_size}, every {patch_size}x{patch_size} patch "
+            "must "
             f"be all real or all padding. Resize each image to multiples of {patch_size} before padding (image "
             f"processor: ensure_multiple_of={patch_size}, do_pad=True)."
         )
@@ -94,10 +95,14 @@ def augment_patch_coordinates(
         coords = coords + torch.empty(2, dtype=coords.dtype, device=coords.device).uniform_(-shift, shift)
     if jitter is not None:
         log_jitter = math.log(jitter)
-        coords = coords * torch.empty(2, dtype=coords.dtype, device=coords.device).uniform_(-log_jitter, log_jitter).exp()
+        coords = (
+            coords * torch.empty(2, dtype=coords.dtype, device=coords.device).uniform_(-log_jitter, log_jitter).exp()
+        )
     if rescale is not None:
         log_rescale = math.log(rescale)
-        coords = coords * torch.empty(1, dtype=coords.dtype, device=coords.device).uniform_(-log_rescale, log_rescale).exp()
+        coords = (
+            coords * torch.empty(1, dtype=coords.dtype, device=coords.device).uniform_(-log_rescale, log_rescale).exp()
+        )
     return coords
 
 

@@ -144,4 +144,3 @@ def offline_photos(output_dir: str | Path, min_side: int = 256) -> Path:
             f"(need at least 4); skipped: {'; '.join(skipped) or 'none'}"
         )
     return output_dir
-

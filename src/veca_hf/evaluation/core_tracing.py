@@ -227,7 +227,9 @@ def draw_core_attention(
         size = 6 if core in shown else 4
         line_width = 2 if core in shown else 1
         axis.plot(track[:, 0], track[:, 1], "-", color=colour, linewidth=line_width, path_effects=outline)
-        axis.plot(*track[0], "o", markerfacecolor="none", markeredgecolor=colour, markersize=size, path_effects=outline)
+        axis.plot(
+            *track[0], "o", markerfacecolor="none", markeredgecolor=colour, markersize=size, path_effects=outline
+        )
         axis.plot(*track[-1], "^", color=colour, markersize=size, path_effects=outline)
     axis.set_xlim(0, width)
     axis.set_ylim(height, 0)

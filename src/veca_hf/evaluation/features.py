@@ -164,7 +164,11 @@ def patch_feature_cosine(student: torch.Tensor, teacher: torch.Tensor) -> dict[s
         raise ValueError(f"Need two patch-feature tensors of equal shape, got {tuple(student.shape)} and "
                          f"{tuple(teacher.shape)}.")  # fmt: skip
     result = global_feature_cosine(student.flatten(0, -2), teacher.flatten(0, -2))
-    return {"cosine": result["cosine"], "centred_cosine": result["centred_cosine"], "num_patches": result["num_images"]}
+    return {
+        "cosine": result["cosine"],
+        "centred_cosine": result["centred_cosine"],
+        "num_patches": result["num_images"],
+    }
 
 
 class ProbeModel:

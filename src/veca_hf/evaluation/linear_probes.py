@@ -42,6 +42,7 @@ __all__ = [
     "train_linear_segmenter",
 ]
 
+
 def _rms(features: torch.Tensor, chunk: int = 1 << 22) -> torch.Tensor:
     """Root mean square of all entries of `features`, accumulated in float64 by chunks: a 0-dim float32 tensor."""
     flat = features.reshape(-1)
@@ -335,9 +336,7 @@ def run_linear_probes(
     names = {m.name_or_path: m.name if short_names.count(m.name) == 1 else m.name_or_path for m in models}
     device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
     feature_dtype = getattr(torch, settings.feature_dtype)
-    extraction = dict(
-        batch_size=settings.extraction_batch_size, num_workers=settings.num_workers, dtype=feature_dtype
-    )
+    extraction = dict(batch_size=settings.extraction_batch_size, num_workers=settings.num_workers, dtype=feature_dtype)
     if classification is not None:
         if classification[0].labels is None or classification[1].labels is None:
             raise ValueError("Classification sets need labels.")

@@ -87,7 +87,9 @@ def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path:
     plt = _pyplot()
     rows = [r for r in results if r["task"] == task]
     resolutions = sorted({r["resolution"] for r in rows})
-    colours = dict(zip(resolutions, plt.get_cmap("viridis")(np.linspace(0, 0.85, max(1, len(resolutions))))))
+    colours = dict(
+        zip(resolutions, plt.get_cmap("viridis")(np.linspace(0, 0.85, max(1, len(resolutions)))), strict=False)
+    )
     markers = iter("osD^vP*X" * 4)
     figure, axis = plt.subplots(figsize=(6, 4))
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
@@ -99,7 +101,7 @@ def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path:
             points = sorted((r["budget"], 100 * r["value"]) for r in here if r["budget"] is not None)
             label = f"{model_rows[0]['model_name']}, {resolution} px"
             if points:
-                axis.plot(*zip(*points), marker=marker, color=colours[resolution], label=label)
+                axis.plot(*zip(*points, strict=True), marker=marker, color=colours[resolution], label=label)
             for r in (r for r in here if r["budget"] is None):
                 axis.axhline(100 * r["value"], linestyle="--", color=colours[resolution], label=f"{label} (no budget)")
     axis.set_xscale("log", base=2)
@@ -114,15 +116,19 @@ def plot_metric_vs_resolution(results: Sequence[Mapping[str, Any]], task: str, p
     rows = [r for r in results if r["task"] == task]
     lines = list(dict.fromkeys((r["model"], r["budget"]) for r in rows))
     budgets = sorted({b for _, b in lines if b is not None})
-    colours = dict(zip(budgets, plt.get_cmap("plasma")(np.linspace(0, 0.85, max(1, len(budgets))))))
-    markers = {model: marker for model, marker in zip(dict.fromkeys(m for m, _ in lines), "osD^vP*X" * 4)}
+    colours = dict(zip(budgets, plt.get_cmap("plasma")(np.linspace(0, 0.85, max(1, len(budgets)))), strict=False))
+    markers = {
+        model: marker for model, marker in zip(dict.fromkeys(m for m, _ in lines), "osD^vP*X" * 4, strict=False)
+    }
     figure, axis = plt.subplots(figsize=(6, 4))
     for model, budget in lines:
         here = [r for r in rows if r["model"] == model and r["budget"] == budget]
         points = sorted((r["resolution"], 100 * r["value"]) for r in here)
         name = next(r["model_name"] for r in rows if r["model"] == model)
         style = dict(color=colours[budget]) if budget is not None else dict(color="black", linestyle="--")
-        axis.plot(*zip(*points), marker=markers[model], label=f"{name} C={budget}" if budget else name, **style)
+        axis.plot(
+            *zip(*points, strict=True), marker=markers[model], label=f"{name} C={budget}" if budget else name, **style
+        )
     resolutions = sorted({r["resolution"] for r in rows})
     axis.set_xticks(resolutions, [str(r) for r in resolutions])
     return _save_metric_plot(plt, figure, axis, task, "resolution", "resolution (px)", path)

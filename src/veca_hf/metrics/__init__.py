@@ -63,7 +63,7 @@ def load_metric(name: str, **kwargs) -> evaluate.EvaluationModule:
     return evaluate.load(str(folder), **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_metric(name: str) -> evaluate.EvaluationModule:
     return load_metric(name)
 

@@ -140,7 +140,7 @@ class MeanIoU(evaluate.Metric):
             raise ValueError(f"Got {len(predictions)} predictions for {len(references)} references.")
         total_intersect = np.zeros(num_labels, dtype=np.float64)
         total_union, total_prediction, total_reference = (np.zeros_like(total_intersect) for _ in range(3))
-        for prediction, reference in zip(predictions, references):
+        for prediction, reference in zip(predictions, references, strict=False):
             intersect, union, area_prediction, area_reference = intersect_and_union(
                 prediction, reference, num_labels, ignore_index, label_map, reduce_labels
             )
