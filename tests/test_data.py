@@ -21,6 +21,7 @@ from torchvision.transforms import v2
 from transformers import ViTImageProcessorPil
 
 import veca_hf.data
+import veca_hf.data.stream
 from veca_hf.data import (
     ImageStream,
     build_transform,
@@ -587,7 +588,7 @@ def test_skipped_samples_are_not_decoded(image_folder, monkeypatch):
     decoded = []
     decode = veca_hf.data.decode_image
     monkeypatch.setattr(
-        veca_hf.data, "decode_image", lambda value, **kwargs: decoded.append(1) or decode(value, **kwargs)
+        veca_hf.data.stream, "decode_image", lambda value, **kwargs: decoded.append(1) or decode(value, **kwargs)
     )
     stream = _stream(_load(str(image_folder)), seed=1)
     stream.set_skip([10])
