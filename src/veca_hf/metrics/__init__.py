@@ -17,9 +17,9 @@ local folder). `evaluate` copies the script into its modules cache (`$HF_MODULES
 <name>/<hash of the code>/`, `~/.cache/huggingface/modules` by default) and imports it from there, creating the
 cache on first use; the hash keeps an edited script from reusing a stale copy.
 
-These modules are the only definitions of accuracy and mIoU in veca_hf: `Trainer` fine-tuning calls `.compute` on
-them, and the linear probes (`veca_hf.evaluation`) call `compute_metric`, which runs the same code on arrays already
-in memory.
+These modules are the only definitions of accuracy, mIoU and the depth errors (RMSE, AbsRel, delta1) in veca_hf:
+`Trainer` fine-tuning calls `.compute` on them, and the linear probes (`veca_hf.evaluation`) call `compute_metric`,
+which runs the same code on arrays already in memory.
 """
 
 import functools
@@ -33,7 +33,7 @@ METRICS_DIR = Path(__file__).resolve().parent
 
 
 def available_metrics() -> list[str]:
-    """Names of the metric modules shipped with veca_hf (`["accuracy", "mean_iou"]`)."""
+    """Names of the metric modules shipped with veca_hf (`["accuracy", "depth", "mean_iou"]`)."""
     return sorted(path.parent.name for path in METRICS_DIR.glob("*/*.py") if path.stem == path.parent.name)
 
 
@@ -43,7 +43,7 @@ def load_metric(name: str, **kwargs) -> evaluate.EvaluationModule:
 
     Args:
         name (`str`):
-            `"accuracy"` or `"mean_iou"` (see `available_metrics()`).
+            `"accuracy"`, `"mean_iou"` or `"depth"` (see `available_metrics()`).
         kwargs:
             Passed to `evaluate.load` (`config_name="multilabel"` for accuracy, `keep_in_memory`, `experiment_id`,
             `cache_dir`, ...).
@@ -80,10 +80,11 @@ def compute_metric(name: str, predictions: Any, references: Any, **kwargs) -> di
 
     Args:
         name (`str`):
-            `"accuracy"` or `"mean_iou"` (see `available_metrics()`).
+            `"accuracy"`, `"mean_iou"` or `"depth"` (see `available_metrics()`).
         predictions / references (array-likes):
             As the metric takes them: `(N,)` class indices for accuracy; `N` label maps (a list of `(H, W)` arrays
-            or one `(N, H, W)` array) for mean_iou.
+            or one `(N, H, W)` array) for mean_iou; depth maps of any shape (float, 0 or NaN = no ground truth)
+            for depth.
         kwargs:
             The metric's arguments (`num_labels` and `ignore_index` for mean_iou, ...).
 
