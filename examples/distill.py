@@ -11,6 +11,7 @@ See docs/training.md for the paper's recipe as flags, multi-GPU / multi-node / D
 
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,14 +29,18 @@ from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser
 
 from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
 from veca_hf.arguments import parse_args_with_file, redact_secrets
-from veca_hf.checkpointing import load_checkpoint, resolve_resume_path, save_checkpoint
+from veca_hf.checkpointing import checkpoint_steps, load_checkpoint, resolve_resume_path, save_checkpoint
 from veca_hf.data import (
     ImageStream,
+    StreamRetries,
     build_transform,
+    check_shard_count,
     collate_images,
     detect_image_column,
     infinite_batches,
+    is_remote,
     load_image_dataset,
+    parse_storage_options,
     resize_batch,
 )
 from veca_hf.distillation import (
@@ -156,6 +161,16 @@ class DataArguments:
         default="skip",
         metadata={"help": "Local parquet / tar shards that are cut short: skip (with a warning naming them) | error."},
     )
+    storage_options: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSON fsspec options for remote shards (endpoint, anonymous access, credentials), e.g. "
+            '\'{"client_kwargs": {"endpoint_url": "http://minio:9000"}}\'. Never written anywhere.'
+        },
+    )
+    stream_retries: int = field(default=20, metadata={"help": "Attempts per remote read or open before failing."})
+    stream_retry_wait: float = field(default=5.0, metadata={"help": "Seconds between attempts."})
+    stream_timeout: float = field(default=60.0, metadata={"help": "Seconds before a stalled HTTP(S) read is retried."})
 
 
 @dataclass
@@ -378,19 +393,24 @@ def main():
     )
 
     # Data: a deterministic stream per process; the largest resolution is loaded, each step resizes down.
+    # Remote shards: retries (in every process and DataLoader worker, which fork later) and fsspec options.
+    retries = StreamRetries(data_args.stream_retries, data_args.stream_retry_wait)
+    retries.configure()
+    source_kwargs = dict(broken_shards=data_args.broken_shards, retries=retries, timeout=data_args.stream_timeout,
+                         storage_options=parse_storage_options(data_args.storage_options))  # fmt: skip
     dataset = load_image_dataset(
-        data_args.dataset_name,
-        data_args.dataset_config_name,
-        data_args.train_split,
-        broken_shards=data_args.broken_shards,
+        data_args.dataset_name, data_args.dataset_config_name, data_args.train_split, **source_kwargs
     )
     image_column = detect_image_column(dataset, data_args.image_column)
+    check_shard_count(dataset, accelerator.num_processes, data_args.dataloader_num_workers)
     if data_args.validation_split:
+        # a split name of --dataset_name, or its own source (a folder, glob or remote URLs)
+        own_source = is_remote(data_args.validation_split) or os.path.exists(data_args.validation_split)
         validation_dataset = load_image_dataset(
-            data_args.dataset_name,
-            data_args.dataset_config_name,
-            data_args.validation_split,
-            broken_shards=data_args.broken_shards,
+            data_args.validation_split if own_source else data_args.dataset_name,
+            None if own_source else data_args.dataset_config_name,
+            "validation" if own_source else data_args.validation_split,
+            **source_kwargs,
         )
         train_dataset = dataset
     else:
@@ -637,6 +657,17 @@ def main():
                 )
                 accelerator.end_training()
                 sys.exit(PREEMPTED_EXIT_CODE)
+    except Exception as error:
+        steps = checkpoint_steps(checkpoints_dir)
+        newest = f"{checkpoints_dir / f'checkpoint-{steps[-1]}'}" if steps else "none yet"
+        cause = ""
+        if "DataLoader worker" in str(error):  # PyTorch's SIGCHLD handler: a worker died (kill -9, the OOM killer)
+            cause = " A DataLoader worker was killed from outside (SIGKILL, e.g. the kernel's OOM killer)."
+        logger.error(
+            f"The run stopped during step {global_step + 1}.{cause} Newest checkpoint: {newest}. Fix the cause, then "
+            "rerun with --resume_from_checkpoint latest to continue exactly from there."
+        )
+        raise
     finally:
         # NOTE: shuts the DataLoader workers down now, also when the loop raised: they ignore SIGTERM, so at exit
         # multiprocessing would terminate them with SIGTERM and wait for them forever.

@@ -241,13 +241,18 @@ PAUSE_ENV = "VECA_HF_TEST_PAUSE_AFTER_STEP"
 
 
 def pause_for_test(step: int, guard: "StepGuard") -> None:
-    """Under the test hook `VECA_HF_TEST_PAUSE_AFTER_STEP`, after that step: wait until SIGTERM asks the guard to stop
-    (the run then goes on to its next step, checkpoints and exits) or the process is killed."""
+    """Under the test hook `VECA_HF_TEST_PAUSE_AFTER_STEP`, after that step: wait until SIGUSR1 (the run goes on),
+    SIGTERM (it goes on to its next step, checkpoints and exits) or a kill."""
     if os.environ.get(PAUSE_ENV, "") != str(step):
         return
-    logger.warning(f"Paused after step {step} (test hook {PAUSE_ENV}).")
-    while not guard.stop_requested:
-        time.sleep(0.02)
+    resumed = []
+    previous = signal.signal(signal.SIGUSR1, lambda *args: resumed.append(True))
+    logger.warning(f"Paused after step {step} (test hook {PAUSE_ENV}); SIGUSR1 continues, SIGTERM stops.")
+    try:
+        while not (guard.stop_requested or resumed):
+            time.sleep(0.02)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def ignore_sigterm(worker_id: int | None = None) -> None:

@@ -38,7 +38,18 @@ The modules, one job each: `sources` (finding and opening the data), `decoding`,
 """
 
 from .decoding import SKIP_TOO_SMALL, SKIP_UNDECODABLE, decode_image
-from .sources import IMAGE_COLUMN_NAMES, detect_image_column, find_broken_shards, load_image_dataset
+from .sources import (
+    IMAGE_COLUMN_NAMES,
+    StreamRetries,
+    check_shard_count,
+    detect_image_column,
+    expand_braces,
+    find_broken_shards,
+    is_remote,
+    load_image_dataset,
+    parse_storage_options,
+    resolve_remote_files,
+)
 from .stream import ImageStream, infinite_batches, resume_plan
 from .transforms import build_transform, collate_images, resize_batch
 
@@ -48,13 +59,19 @@ __all__ = [
     "SKIP_TOO_SMALL",
     "SKIP_UNDECODABLE",
     "ImageStream",
+    "StreamRetries",
     "build_transform",
+    "check_shard_count",
     "collate_images",
     "decode_image",
     "detect_image_column",
+    "expand_braces",
     "find_broken_shards",
     "infinite_batches",
+    "is_remote",
     "load_image_dataset",
+    "parse_storage_options",
     "resize_batch",
+    "resolve_remote_files",
     "resume_plan",
 ]

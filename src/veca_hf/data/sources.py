@@ -1,11 +1,18 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Finding the data: local image folders, parquet and webdataset shards, globs and Hub datasets, opened as streamed
-`datasets` datasets; broken shards; the image column."""
+"""Finding the data: local image folders, parquet and webdataset shards, globs, Hub datasets and remote shards
+(`https://`, `s3://`, `gs://`, `hf://`, any fsspec filesystem), opened as streamed `datasets` datasets; broken
+shards; retries over the network; the image column."""
 
 import glob
+import inspect
+import json
+import logging as python_logging
 import os
+import re
 import tarfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import datasets
 from datasets.data_files import DataFilesDict, get_data_patterns
@@ -21,6 +28,243 @@ IMAGE_COLUMN_NAMES = ("image", "img", "jpg", "jpeg", "png", "webp")
 _IMAGE_EXTENSIONS = frozenset(extension.lower() for extension in ImageFolder.EXTENSIONS)
 _GLOB_CHARACTERS = ("*", "?", "[")
 _SHARD_EXTENSIONS = {"parquet": ".parquet", "webdataset": ".tar"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Remote shards
+# ----------------------------------------------------------------------------------------------------------------
+
+# The fsspec backends a protocol needs, and the extra that installs them.
+_BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+_BRACE_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_BRACE_LIST = re.compile(r"\{([^{}]*,[^{}]*)\}")
+
+
+def is_remote(path: str) -> bool:
+    """Whether `path` is a URL of a remote filesystem (`https://...`, `s3://...`, `hf://...`), not a local path."""
+    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path)) and not path.startswith("file://")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """
+    Webdataset-style brace expansion: `shard-{00000..00003}.tar` -> 4 names (zero padding kept from the first bound),
+    `{train,val}-0.tar` -> 2 names; several braces expand as a product, in order.
+    """
+    matches = [m for m in (_BRACE_RANGE.search(pattern), _BRACE_LIST.search(pattern)) if m is not None]
+    if not matches:
+        return [pattern]
+    match = min(matches, key=lambda m: m.start())  # the first brace; the rest expand recursively
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    if match.re is _BRACE_RANGE:
+        first, last = match.group(1), match.group(2)
+        if int(last) < int(first):
+            raise ValueError(f"The brace range {match.group(0)!r} in {pattern!r} counts down: write {{low..high}}.")
+        width = len(first) if first.startswith("0") else 0
+        items = [str(number).zfill(width) for number in range(int(first), int(last) + 1)]
+    else:
+        items = match.group(1).split(",")
+    return [head + item + rest for item in items for rest in expand_braces(tail)]
+
+
+def split_sources(dataset_name: str) -> list[str]:
+    """Several sources in one `--dataset_name`: a JSON list, or URLs separated by whitespace or commas."""
+    text = dataset_name.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except ValueError:
+            raise ValueError(f"--dataset_name {dataset_name!r} starts like a JSON list but does not parse.") from None
+        return [str(value) for value in values]
+    return [part for part in re.split(r"[\s,]+(?=[a-zA-Z][a-zA-Z0-9+.-]*://)", text) if part]
+
+
+def _filesystem(url: str, storage_options: dict | None):
+    """The fsspec filesystem of `url`, or an ImportError naming the package and the extra to install."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0].lower()
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as error:
+        package = _BACKENDS.get(protocol, f"the fsspec backend of {protocol}://")
+        raise ImportError(
+            f"Reading {protocol}:// URLs needs {package}: pip install 'veca_hf[remote]' (s3fs, gcsfs), or "
+            f"pip install {package}."
+        ) from error
+
+
+def resolve_remote_files(dataset_name: str, storage_options: dict | None = None) -> list[str]:
+    """
+    The remote shard URLs `dataset_name` stands for, in order: brace ranges and lists expanded, several URLs split,
+    and globs (`*`, `?`, `[`) listed on filesystems that can list (S3, GCS, `hf://`, local `file://`; plain HTTP
+    cannot: give brace ranges or lists there).
+    """
+    files = []
+    for source in split_sources(dataset_name):
+        for url in expand_braces(source):
+            if any(character in url.split("://", 1)[1] for character in _GLOB_CHARACTERS):
+                filesystem, path = _filesystem(url, storage_options)
+                if url.startswith(("http://", "https://")):
+                    raise ValueError(f"{url!r}: HTTP servers cannot be listed; name the shards with a brace range "
+                                     "such as https://host/shard-{00000..00127}.tar, or a list of URLs.")  # fmt: skip
+                matches = sorted(filesystem.glob(path))
+                if not matches:
+                    raise ValueError(f"No files match {url!r}.")
+                files += [filesystem.unstrip_protocol(match) for match in matches]
+            else:
+                files.append(url)
+    return files
+
+
+def parse_storage_options(text: str | dict | None) -> dict | None:
+    """`--storage_options` as a dict: JSON text (or a dict already), or None."""
+    if text is None or isinstance(text, dict):
+        return text
+    try:
+        options = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"--storage_options is not valid JSON ({error}); give an object such as "
+                         '\'{"anon": true}\'.') from None  # fmt: skip
+    if not isinstance(options, dict):
+        raise ValueError(f"--storage_options must be a JSON object, got {type(options).__name__}.")
+    return options
+
+
+def http_timeout_options(files: Sequence[str], storage_options: dict | None, timeout: float | None) -> dict | None:
+    """`storage_options` with a read and connect timeout for HTTP(S) shards (aiohttp's default waits five minutes
+    for a stalled response); a timeout the options already set wins."""
+    if not timeout or not any(file.startswith(("http://", "https://")) for file in files):
+        return storage_options
+    import aiohttp
+
+    options = dict(storage_options or {})
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    client_kwargs.setdefault("timeout", aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout))
+    options["client_kwargs"] = client_kwargs
+    return options
+
+
+class StreamRetries:
+    """
+    How streaming survives a flaky network: `datasets` retries a failed read of an open shard (a dropped
+    connection, a timeout, a 5xx answer) by asking again for the same byte range, so a retried read yields exactly
+    the bytes of a clean one; this sets how often and how long it waits (`configure`, in every process and
+    DataLoader worker, since they fork after it), retries opening the dataset itself (`call`), and makes each retry
+    logged with the URL it concerns (`datasets`' own message omits it).
+
+    Args:
+        retries (`int`): attempts per read or open before the error is raised.
+        wait (`float`): seconds between attempts (doubled after each failed attempt when opening, up to 60 s).
+    """
+
+    def __init__(self, retries: int = 20, wait: float = 5.0):
+        if retries < 1 or wait < 0:
+            raise ValueError(f"--stream_retries {retries} must be >= 1 and --stream_retry_wait {wait} >= 0.")
+        self.retries, self.wait = retries, wait
+
+    def configure(self) -> None:
+        """Set `datasets`' streaming retries and add the URL to its retry warnings."""
+        config = datasets.config
+        config.STREAMING_READ_MAX_RETRIES = config.STREAMING_OPEN_MAX_RETRIES = self.retries
+        config.STREAMING_READ_RETRY_INTERVAL = config.STREAMING_OPEN_RETRY_INTERVAL = self.wait
+        config.STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL = self.wait
+        retry_logger = python_logging.getLogger("datasets.utils.file_utils")
+        if not any(isinstance(f, _RetryUrlFilter) for f in retry_logger.filters):
+            retry_logger.addFilter(_RetryUrlFilter())
+
+    def call(self, function: Callable[[], Any], what: str) -> Any:
+        """`function()`, retried on connection errors and 5xx answers (opening a remote dataset asks the server for
+        every shard's size first; `datasets` does not retry that)."""
+        wait = self.wait
+        for attempt in range(1, self.retries + 1):
+            try:
+                return function()
+            except Exception as error:  # noqa: BLE001 - filtered just below
+                # NOTE: `datasets` reports any failure to find a remote file, a 503 included, as FileNotFoundError
+                # without its cause: a few attempts tell a passing fault from a missing file.
+                unclear = isinstance(error, FileNotFoundError) and remote_url_in_error(error) is not None
+                retry = is_transient_network_error(error) or (unclear and attempt < 3)
+                if not retry or attempt == self.retries:
+                    raise
+                logger.warning(f"Opening {what} failed ({_describe(error)}); retry {attempt}/{self.retries - 1} in "
+                               f"{wait:g} s.")  # fmt: skip
+                time.sleep(wait)
+                wait = min(2 * wait, 60.0)
+
+
+def _exception_chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def is_transient_network_error(error: BaseException) -> bool:
+    """A dropped or refused connection, a timeout or a 5xx answer anywhere in the chain of `error`."""
+    for item in _exception_chain(error):
+        status = getattr(item, "status", None) or getattr(getattr(item, "response", None), "status_code", None)
+        if isinstance(status, int) and 500 <= status < 600:
+            return True
+        if isinstance(item, (ConnectionError, TimeoutError)):
+            return True
+        if type(item).__module__.startswith("aiohttp") and "Response" not in type(item).__name__:
+            return True
+    return False
+
+
+def _describe(error: BaseException) -> str:
+    return "; ".join(f"{type(e).__name__}: {str(e)[:200]}" for e in _exception_chain(error))
+
+
+def remote_url_in_error(error: BaseException) -> str | None:
+    """The remote URL an error (or its causes) names, if any."""
+    for item in _exception_chain(error):
+        match = re.search(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", str(item))
+        if match:
+            return match.group(0)
+    return None
+
+
+class _RetryUrlFilter(python_logging.Filter):
+    """Adds the URL to `datasets`' "Got disconnected from remote data host. Retrying ..." warnings.
+
+    NOTE: the message is logged inside `datasets`' retry loop, whose frame holds the bound `read` of the open file
+    (or the URL being opened): the URL is read from there."""
+
+    def filter(self, record: python_logging.LogRecord) -> bool:
+        if "Retrying" in str(record.msg):
+            url = self._url()
+            if url:
+                record.msg = f"{record.msg} ({url})"
+                record.args = ()
+        return True
+
+    @staticmethod
+    def _url() -> str | None:
+        frame = inspect.currentframe()
+        while frame is not None:
+            local = frame.f_locals
+            read = local.get("read")
+            owner = getattr(read, "__self__", None)
+            for candidate in (getattr(owner, "url", None), getattr(owner, "full_name", None), local.get("file")):
+                if isinstance(candidate, str) and is_remote(candidate):
+                    return candidate
+            frame = frame.f_back
+        return None
+
+
+def check_shard_count(dataset, world_size: int, num_workers: int) -> None:
+    """Warn when a sharded dataset has fewer shards than processes x DataLoader workers: the extra ones get nothing
+    to read (parquet and tar shards are split file by file)."""
+    num_shards = getattr(dataset, "num_shards", None) or getattr(dataset, "n_shards", None)
+    readers = world_size * max(1, num_workers)
+    if num_shards and 1 < num_shards < readers:
+        logger.warning(
+            f"The dataset has {num_shards} shards for {world_size} process(es) x {max(1, num_workers)} DataLoader "
+            f"worker(s) = {readers} readers: {readers - num_shards} of them will have no shard to read. Write at "
+            "least as many shards as readers, or lower --dataloader_num_workers."
+        )
 
 
 def _builder_for_files(files: list[str], source: str) -> str:
@@ -115,9 +359,12 @@ def load_image_dataset(
     split: str = "train",
     streaming: bool = True,
     broken_shards: str = "skip",
+    storage_options: dict | None = None,
+    retries: StreamRetries | None = None,
+    timeout: float | None = 60.0,
 ) -> datasets.IterableDataset:
     """
-    Open an image dataset, streamed by default, from a local folder, local shards or the Hub.
+    Open an image dataset, streamed by default, from a local folder, local shards, remote shards or the Hub.
 
     What `dataset_name` may be, and the `datasets` builder used for it:
 
@@ -127,6 +374,11 @@ def load_image_dataset(
       `train`/`validation`/`test` form those splits; anything else is `train`).
     - a glob (`"shards/*.parquet"`, `"tars/*.tar"`, `"images/**/*.jpg"`) or a single local file: the matching files,
       sorted, become the split `split` (`data_files={split: files}`), with the builder chosen as above.
+    - remote shards (parquet, webdataset tars or images) by URL: `https://host/shard-{00000..00127}.tar` (brace
+      ranges and lists, as webdataset writes them), several URLs (a JSON list, or separated by spaces or commas),
+      or a glob on a filesystem that can list (`s3://bucket/prefix/*.parquet`, `gs://...`,
+      `hf://datasets/org/name/data/*.tar`); `storage_options` go to fsspec (endpoint, credentials, anonymous
+      access). S3 and GCS need `pip install veca_hf[remote]`.
     - anything else that is a valid Hub dataset id: `datasets.load_dataset(dataset_name, dataset_config_name,
       split=split, streaming=streaming)`.
 
@@ -144,6 +396,12 @@ def load_image_dataset(
             The split to load.
         streaming (`bool`, *optional*, defaults to `True`):
             Stream the data (a `datasets.IterableDataset`). `False` returns a map-style `datasets.Dataset`.
+        storage_options (`dict`, *optional*):
+            fsspec options of remote shards, e.g. `{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}`.
+        retries (`StreamRetries`, *optional*):
+            Retries for opening remote shards (default: 20 attempts, 5 s apart).
+        timeout (`float`, *optional*, defaults to 60):
+            Seconds before a stalled HTTP(S) connection or read counts as failed (and is retried).
         broken_shards (`str`, *optional*, defaults to `"skip"`):
             What to do with local parquet or tar shards that are cut short (`find_broken_shards`): `"skip"` them
             with a warning naming each, or `"error"`: raise a `ValueError` naming them. Hub datasets are not checked.
@@ -159,6 +417,20 @@ def load_image_dataset(
         raise ValueError(f"--broken_shards {broken_shards!r} is not one of 'skip', 'error'.")
     if not dataset_name:
         raise ValueError("`dataset_name` is empty: pass a local folder, glob or file, or a Hub dataset id.")
+    if is_remote(dataset_name) or (dataset_name.lstrip().startswith("[") and "://" in dataset_name):
+        retries = retries or StreamRetries()
+        files = retries.call(lambda: resolve_remote_files(dataset_name, storage_options), repr(dataset_name))
+        builder = _builder_for_files(files, dataset_name)
+        options = http_timeout_options(files, storage_options, timeout)
+        logger.info(
+            f"Streaming {len(files)} remote file(s) of {dataset_name!r} with the {builder!r} builder as {split!r}."
+        )
+        return retries.call(
+            lambda: datasets.load_dataset(
+                builder, data_files={split: files}, split=split, streaming=streaming, storage_options=options
+            ),
+            f"{len(files)} remote file(s) of {dataset_name!r}",
+        )
     path = os.path.expanduser(dataset_name)
     is_glob = any(character in path for character in _GLOB_CHARACTERS)
     is_local = is_glob or os.path.exists(path)

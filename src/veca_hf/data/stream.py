@@ -2,6 +2,7 @@
 """The deterministic, resumable stream: per epoch, per rank and per DataLoader worker, with skipping before decoding
 on resume."""
 
+import time
 from collections.abc import Sequence
 
 import datasets
@@ -13,7 +14,7 @@ from datasets.distributed import split_dataset_by_node
 from transformers.utils import logging
 
 from .decoding import decode_image
-from .sources import detect_image_column
+from .sources import detect_image_column, is_transient_network_error, remote_url_in_error
 
 
 logger = logging.get_logger(__name__)
@@ -160,9 +161,13 @@ class ImageStream(torch.utils.data.IterableDataset):
             dataset = split_dataset_by_node(dataset, rank=self.rank, world_size=self.world_size)
         return dataset
 
-    def _indexed_values(self, dataset: datasets.IterableDataset, num_workers: int, worker_id: int):
-        """Yield `(stream, index, value)` for the examples this process (or DataLoader worker) must decode."""
-        skip = self.skip_samples[worker_id] if self.skip_samples is not None else 0
+    def _indexed_values(
+        self, dataset: datasets.IterableDataset, num_workers: int, worker_id: int, skip: int | None = None
+    ):
+        """Yield `(stream, index, value)` for the examples this process (or DataLoader worker) must decode, passing
+        over its first `skip` samples (default: `set_skip`'s count) undecoded."""
+        if skip is None:
+            skip = self.skip_samples[worker_id] if self.skip_samples is not None else 0
         if num_workers > 1 and dataset.num_shards >= num_workers:
             # Inside a worker, iterating a `datasets.IterableDataset` gives this worker whole shards.
             for index, example in enumerate(dataset):
@@ -192,18 +197,46 @@ class ImageStream(torch.utils.data.IterableDataset):
                 "with."
             )
         values = self._indexed_values(self._rank_dataset(epoch), num_workers, worker_id)
+        next_skip, failures = None, 0  # where to reopen the stream after a network fault; faults in a row
         while True:
             try:
                 stream, index, value = next(values)
+                failures = 0
             except StopIteration:
                 return
             except Exception as error:  # NOTE: a shard that breaks mid-read; images never raise (decode_image)
+                url = remote_url_in_error(error)
+                if url is not None and is_transient_network_error(error):
+                    # NOTE: `datasets` retries failed reads of an open shard, not failures to open the next one:
+                    # reopen the (deterministic) stream and pass over what this worker already read, undecoded.
+                    failures += 1
+                    attempts, wait = (
+                        datasets.config.STREAMING_OPEN_MAX_RETRIES,
+                        datasets.config.STREAMING_OPEN_RETRY_INTERVAL,
+                    )
+                    if failures < attempts:
+                        logger.warning(
+                            f"Reading {url} failed ({type(error).__name__}: {error}); reopening the stream of rank "
+                            f"{self.rank}, worker {worker_id} where it was, attempt {failures}/{attempts - 1}, in "
+                            f"{wait:g} s."
+                        )
+                        time.sleep(wait)
+                        values = self._indexed_values(self._rank_dataset(epoch), num_workers, worker_id, next_skip)
+                        continue
+                    raise RuntimeError(
+                        f"Reading {url} failed for good (rank {self.rank}, epoch {epoch}, DataLoader worker "
+                        f"{worker_id}) after {attempts} attempts (--stream_retries), with {type(error).__name__}: "
+                        f"{error}. The server or the network is down: once it is back, resume with "
+                        "--resume_from_checkpoint latest (the run continues exactly from its last complete "
+                        "checkpoint)."
+                    ) from error
                 raise RuntimeError(
                     f"Reading the data stream failed (rank {self.rank}, epoch {epoch}, DataLoader worker {worker_id}) "
                     f"with {type(error).__name__}: {error}. A shard is probably truncated or corrupt (the error above "
                     "may name it; for local shards `veca_hf.data.find_broken_shards` finds cut-short ones): remove or "
                     "repair it, then resume with --resume_from_checkpoint latest."
                 ) from error
+            next_skip = index + 1 if stream > 0 else index // num_workers + 1
             # Where the example came from (its file when known), for auditing the data order of a run.
             path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
             source = path or f"rank{self.rank}/stream{stream}/{index}"
@@ -282,15 +315,23 @@ def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, positi
         )
         position.update(epoch=epoch, batches=consumed, worker_batches=worker_batches, last_worker=num_workers - 1)
         batches, usable = 0, 0
-        for index, batch in enumerate(loader):
-            worker_batches[batch["worker"]] += 1
-            position["last_worker"] = batch["worker"]
-            if index < discard:
-                continue
-            position["batches"] += 1
-            batches += 1
-            usable += 0 if batch["pixel_values"] is None else len(batch["pixel_values"])
-            yield batch
+        iterator = iter(loader)
+        try:
+            for index, batch in enumerate(iterator):
+                worker_batches[batch["worker"]] += 1
+                position["last_worker"] = batch["worker"]
+                if index < discard:
+                    continue
+                position["batches"] += 1
+                batches += 1
+                usable += 0 if batch["pixel_values"] is None else len(batch["pixel_values"])
+                yield batch
+        finally:
+            # NOTE: stop the workers now, also when the stream raised: they ignore SIGTERM, and an iterator kept
+            # alive by the traceback would leave them to multiprocessing's exit hook, which waits for them forever.
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
         if consumed == 0 and batches == 0:
             raise ValueError(empty_message)
         if consumed == 0 and usable == 0:  # the caller would wait forever for a usable batch
