@@ -144,9 +144,8 @@ def find_latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     if problems:
         listing = "; ".join(f"{folder.name}: {why}" for folder, why in problems)
         raise ValueError(
-            f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} ({listing}). Resume from "
-            "an "
-            "intact copy (--resume_from_checkpoint <folder>), or move these folders away and leave out "
+            f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} ({listing}). Resume "
+            "from an intact copy (--resume_from_checkpoint <folder>), or move these folders away and leave out "
             "--resume_from_checkpoint to start from scratch."
         )
     return None
