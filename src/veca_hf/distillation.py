@@ -366,8 +366,7 @@ def compute_teacher_targets(
             raise ValueError(
                 f"The teacher returned {hidden.shape[1]} tokens for a {teacher_size[0]}x{teacher_size[1]} image; "
                 f"after {num_prefix_tokens} CLS/register tokens that is {hidden.shape[1] - num_prefix_tokens} "
-                "patches, "
-                f"but the student has {num_patches}. Check the teacher's patch size and registers."
+                f"patches, but the student has {num_patches}. Check the teacher's patch size and registers."
             )
         cls_parts.append(hidden[:, 0].float())
         patch_parts.append(hidden[:, num_prefix_tokens:].float())
