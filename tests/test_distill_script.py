@@ -461,6 +461,8 @@ def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monk
     output_dir = tmp_path / "secret-run"
     argv = distill_args(workspace, output_dir, max_train_steps=2, checkpointing_steps=1, report_to="tensorboard",
                         model_card_latency="false") + ["--push_to_hub", "--hub_token", token]  # fmt: skip
+    secret = "FAKEstorageSECRETkey987"  # storage keys for remote shards take the same way
+    argv += ["--storage_options", json.dumps({"key": "AKIAFAKEKEYID", "secret": secret, "anon": False})]
     monkeypatch.setattr(sys, "argv", ["distill.py", *argv])
     script.main()
     assert len(uploads) == 1  # the upload happened (with the token, held by the API object only)
@@ -468,8 +470,9 @@ def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monk
     assert any("events.out.tfevents" in p.name for p in written) and any(
         p.name == "training_state.json" for p in written
     )
-    assert [p for p in written if token.encode() in p.read_bytes()] == []
+    assert [p for p in written if token.encode() in p.read_bytes() or secret.encode() in p.read_bytes()] == []
     state = json.loads(next(p for p in written if p.name == "training_state.json").read_text())
     assert state["args"]["hub_token"] == "<HUB_TOKEN>"
+    assert json.loads(state["args"]["storage_options"]) == {"key": "<REDACTED>", "secret": "<REDACTED>", "anon": False}
     out, err = capfd.readouterr()
-    assert token not in out and token not in err
+    assert token not in out + err and secret not in out + err
