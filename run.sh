@@ -18,7 +18,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # NOTE: pin torch explicitly first so no dependency range pulls a newer (multi-GB) build.
     "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-    "$VENV/bin/python" -m pip install -q -e ".[train,dev,deepspeed,demo]"
+    "$VENV/bin/python" -m pip install -q -e ".[train,dev,deepspeed,demo,remote]"
     echo "$WANT" > "$STAMP"
 fi
 

@@ -194,3 +194,46 @@ def test_a_worker_killed_from_outside_stops_the_run_with_a_clear_error(workspace
     assert process.returncode != 0
     assert "A DataLoader worker was killed from outside" in stderr, stderr[-3000:]
     assert f"Newest checkpoint: {output_dir / 'checkpoints' / 'checkpoint-2'}" in stderr
+
+
+def test_s3_glob_with_storage_options_splits_shards_across_two_processes(workspace, tmp_path):  # noqa: F811
+    """A local S3-compatible server (moto) and s3fs: a glob of parquet shards, the endpoint and keys in
+    --storage_options, two processes under accelerate launch reading disjoint shards; no key reaches a file."""
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server._server.server_address[1]}"
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                              aws_secret_access_key="s3cretKEYnotONdisk", region_name="us-east-1")  # fmt: skip
+        client.create_bucket(Bucket="veca-shards")
+        rng = np.random.default_rng(1)
+        features = datasets.Features({"image": datasets.Image()})
+        for shard in range(4):  # 4 shards, named images: the sources each rank logs tell the split
+            images = []
+            for index in range(6):
+                buffer = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(buffer, format="PNG")
+                images.append({"bytes": buffer.getvalue(), "path": f"shard{shard}-img{index}.png"})
+            path = tmp_path / f"train-{shard}.parquet"
+            datasets.Dataset.from_dict({"image": images}, features=features).to_parquet(str(path))
+            client.upload_file(str(path), "veca-shards", f"train/train-{shard}.parquet")
+        options = {"key": "testing", "secret": "s3cretKEYnotONdisk",
+                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}  # fmt: skip
+        output_dir = tmp_path / "s3-ddp"
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                    "--main_process_port", "29535"]  # fmt: skip
+        args = distill_args(workspace, output_dir, dataset_name="s3://veca-shards/train/*.parquet",
+                            storage_options=json.dumps(options), max_train_steps=2, validation_size=2,
+                            log_sample_sources="true", dataloader_num_workers=1)  # fmt: skip
+        run_distill(args, launcher=launcher)
+    finally:
+        server.stop()
+    seen = [(output_dir / "sample_sources" / f"rank{rank}.txt").read_text().splitlines() for rank in range(2)]
+    shards = [{line.split("\t")[1].split("-")[0] for line in part} for part in seen]
+    assert all(part for part in shards) and shards[0].isdisjoint(shards[1]), shards  # whole shards per rank
+    written = [p for p in output_dir.rglob("*") if p.is_file()]
+    assert not [p for p in written if b"s3cretKEYnotONdisk" in p.read_bytes()]
