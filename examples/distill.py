@@ -405,7 +405,7 @@ def main():
     check_shard_count(dataset, accelerator.num_processes, data_args.dataloader_num_workers)
     if data_args.validation_split:
         # a split name of --dataset_name, or its own source (a folder, glob or remote URLs)
-        own_source = is_remote(data_args.validation_split) or os.path.exists(data_args.validation_split)
+        own_source = is_remote(data_args.validation_split) or os.sep in data_args.validation_split
         validation_dataset = load_image_dataset(
             data_args.validation_split if own_source else data_args.dataset_name,
             None if own_source else data_args.dataset_config_name,

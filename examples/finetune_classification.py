@@ -39,10 +39,16 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Hf
 import veca_hf  # noqa: F401  (registers VECA with the Auto classes)
 from veca_hf.arguments import parse_args_with_file
 from veca_hf.data import build_transform
-from veca_hf.distillation import DEFAULT_BUDGET_WEIGHTS, DEFAULT_BUDGETS, BudgetSampler
 from veca_hf.metrics import load_metric
-from veca_hf.model_card import budget_metrics_from_results, write_model_card
-from veca_hf.training import VecaTrainer, evaluate_budgets
+from veca_hf.model_card import write_finetuned_model_card
+from veca_hf.training import (
+    BudgetArguments,
+    VecaTrainer,
+    budget_sampler_from_args,
+    eval_budgets_from_args,
+    evaluate_and_save_budgets,
+    training_budget_description,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -82,33 +88,6 @@ class DataTrainingArguments:
     def __post_init__(self):
         if self.dataset_name is None and self.train_dir is None and self.validation_dir is None:
             raise ValueError("Pass --dataset_name, or --train_dir and/or --validation_dir.")
-
-
-@dataclass
-class BudgetArguments:
-    """How many cores (the budget C) to train and evaluate with."""
-
-    num_core_tokens: int | None = field(
-        default=None,
-        metadata={"help": "Training budget (without --sample_budgets), saved as the model's default budget."},
-    )
-    sample_budgets: bool = field(default=False, metadata={"help": "Draw the budget of every optimiser step."})
-    budgets: str | None = field(
-        default=None, metadata={"help": "Budgets to draw from, e.g. '8,16,32,64' (default: all of the model's)."}
-    )
-    budget_weights: str | None = field(
-        default=None,
-        metadata={"help": "Their weights, e.g. '1,1,2,2' (default: 1,1,2,2,3,3,4,4 for 8..64, else equal)."},
-    )
-    eval_budgets: str | None = field(
-        default=None,
-        metadata={"help": "Budgets to evaluate at, e.g. '8,16,64' (default: smallest, training default, largest)."},
-    )
-
-
-def parse_ints(text: str | None, cast=int) -> list | None:
-    """'8, 16,64' -> [8, 16, 64]; None stays None."""
-    return None if text is None else [cast(part) for part in text.replace(" ", "").split(",") if part]
 
 
 def collate_fn(examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -206,18 +185,8 @@ def main():
         dataset["validation"] = dataset["validation"].with_transform(transform_batch(eval_transform))
 
     # Budgets: per-step sampling or one fixed budget for training; a sweep for evaluation.
-    budget_sampler = None
-    if budget_args.sample_budgets:
-        budgets = parse_ints(budget_args.budgets) or model.config.budgets
-        weights = parse_ints(budget_args.budget_weights, float)
-        if weights is None and tuple(budgets) == DEFAULT_BUDGETS:
-            weights = DEFAULT_BUDGET_WEIGHTS
-        budget_sampler = BudgetSampler(budgets, weights, seed=training_args.seed)
-        logger.info(f"Sampling one budget per step from {budgets} with weights {weights or 'equal'}.")
-    default_budget = model.config.default_num_core_tokens or model.config.num_core_tokens
-    eval_budgets = parse_ints(budget_args.eval_budgets) or sorted(
-        {model.config.budgets[0], default_budget, model.config.budgets[-1]}
-    )
+    budget_sampler = budget_sampler_from_args(budget_args, model, seed=training_args.seed)
+    eval_budgets = eval_budgets_from_args(budget_args, model)
 
     accuracy = load_metric("accuracy")
 
@@ -243,12 +212,9 @@ def main():
         trainer.save_metrics("train", train_result.metrics)  # train_results.json, merged into all_results.json
         trainer.save_state()
 
-    if training_args.do_eval:
-        eval_metrics = {}
-        for budget_metrics in evaluate_budgets(trainer, budgets=eval_budgets).values():
-            eval_metrics.update(budget_metrics)
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)  # eval_results.json, merged into all_results.json
+    eval_metrics = None
+    if training_args.do_eval:  # eval_results.json (merged into all_results.json): eval_C{C}_accuracy, ...
+        eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets)
 
     kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "image-classification"}
     if data_args.dataset_name is not None:
@@ -257,37 +223,16 @@ def main():
         trainer.push_to_hub(**kwargs)  # saves the model, writes Trainer's card, uploads the folder
 
     # The VECA card (per-budget accuracy, FLOPs and latency, how to pick a budget) replaces Trainer's README.md.
-    if trainer.is_world_process_zero() and os.path.isfile(os.path.join(training_args.output_dir, "config.json")):
-        if budget_sampler is not None:
-            budget = f"sampled per step from {list(budget_sampler.values)}"
-        else:
-            budget = budget_args.num_core_tokens or default_budget
-        details = {
-            "learning rate": training_args.learning_rate,
-            "weight decay": training_args.weight_decay,
-            "batch size (all devices)": training_args.per_device_train_batch_size
-            * training_args.world_size
-            * training_args.gradient_accumulation_steps,
-            "optimiser steps": trainer.state.global_step,
-            "training budget": budget,
-            "seed": training_args.seed,
-        }
-        card = write_model_card(
-            training_args.output_dir,
-            # ZeRO-3 partitions the weights in memory: time the saved model instead (on the CPU).
-            model=None if trainer.is_deepspeed_enabled else trainer.model,
-            model_id=trainer.hub_model_id if training_args.push_to_hub else None,
-            base_model=model_args.model_name_or_path,
-            datasets=data_args.dataset_name or data_args.train_dir,
-            budget_metrics=budget_metrics_from_results(eval_metrics) if training_args.do_eval else None,
-            metrics_description="accuracy (top-1) and cross-entropy loss on the validation split",
-            description=f"Fine-tuned for image classification from `{model_args.model_name_or_path}` with "
-            "`examples/finetune_classification.py`.",
-            training_details=details,
-        )
-        if training_args.push_to_hub:
-            card.push_to_hub(trainer.hub_model_id, token=training_args.hub_token)
-
+    write_finetuned_model_card(
+        trainer,
+        base_model=model_args.model_name_or_path,
+        datasets=data_args.dataset_name or data_args.train_dir,
+        training_budget=training_budget_description(budget_args, budget_sampler, model),
+        eval_metrics=eval_metrics,
+        metrics_description="accuracy (top-1) and cross-entropy loss on the validation split",
+        description=f"Fine-tuned for image classification from `{model_args.model_name_or_path}` with "
+        "`examples/finetune_classification.py`.",
+    )
 
 if __name__ == "__main__":
     main()

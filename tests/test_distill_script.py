@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel
 
 from veca_hf import VecaConfig, VecaModel
+from veca_hf.distillation import dense_student_config
 
 
 ROOT = Path(__file__).parent.parent
@@ -437,6 +438,13 @@ def test_start_from_a_saved_student(workspace, tmp_path):
         distill_args(workspace, tmp_path / "both", student_name_or_path=tmp_path / "stage1"), check=False
     )
     assert result.returncode != 0 and "brings its own config; drop --student_config" in result.stderr
+    # the dense control too
+    DINOv3ViTModel(dense_student_config(tiny_config())).save_pretrained(tmp_path / "dense-stage1")
+    run_distill(args + ["--student_name_or_path", str(tmp_path / "dense-stage1"), "--student_type", "dense",
+                                     "--output_dir", str(tmp_path / "dense-stage2")])  # fmt: skip
+    before = load_file(tmp_path / "dense-stage1" / "model.safetensors")
+    after = load_file(tmp_path / "dense-stage2" / "model.safetensors")
+    assert all(torch.equal(before[key], after[key]) for key in before)
 
 
 def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monkeypatch, capfd):

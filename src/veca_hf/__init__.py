@@ -2,8 +2,8 @@
 """VECA (Visual Elastic Core Attention) for Hugging Face transformers.
 
 Importing this package registers VECA with the Auto classes (`AutoConfig`, `AutoModel`,
-`AutoModelForImageClassification`, `AutoBackbone`, `AutoImageProcessor`), so Auto loading and pipelines work on
-saved VECA folders. The image processors follow transformers 5: `VecaImageProcessor` (torchvision backend, chosen by
+`AutoModelForImageClassification`, `AutoModelForSemanticSegmentation`, `AutoModelForDepthEstimation`, `AutoBackbone`,
+`AutoImageProcessor`), so Auto loading and pipelines work on saved VECA folders. The image processors follow transformers 5: `VecaImageProcessor` (torchvision backend, chosen by
 `AutoImageProcessor` when torchvision is installed) and `VecaImageProcessorPil` (PIL, the base install).
 """
 
@@ -14,7 +14,9 @@ from transformers import (
     AutoConfig,
     AutoImageProcessor,
     AutoModel,
+    AutoModelForDepthEstimation,
     AutoModelForImageClassification,
+    AutoModelForSemanticSegmentation,
 )
 from transformers.utils import is_torchvision_available
 
@@ -28,6 +30,7 @@ from .modeling_veca import (
     VecaModelOutput,
     VecaPreTrainedModel,
 )
+from .modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
 
 
 def _register_auto_classes() -> None:
@@ -35,6 +38,8 @@ def _register_auto_classes() -> None:
     AutoModel.register(VecaConfig, VecaModel, exist_ok=True)
     AutoModelForImageClassification.register(VecaConfig, VecaForImageClassification, exist_ok=True)
     AutoBackbone.register(VecaConfig, VecaBackbone, exist_ok=True)
+    AutoModelForSemanticSegmentation.register(VecaConfig, VecaForSemanticSegmentation, exist_ok=True)
+    AutoModelForDepthEstimation.register(VecaConfig, VecaForDepthEstimation, exist_ok=True)
     # NOTE: without torchvision only the PIL processor is registered, so that `backend="torchvision"` falls back to
     # it with a warning, as for transformers' own models (their torchvision classes are then dummies).
     processors = {"pil": VecaImageProcessorPil}
@@ -46,6 +51,8 @@ def _register_auto_classes() -> None:
     VecaModel.register_for_auto_class("AutoModel")
     VecaForImageClassification.register_for_auto_class("AutoModelForImageClassification")
     VecaBackbone.register_for_auto_class("AutoBackbone")
+    VecaForSemanticSegmentation.register_for_auto_class("AutoModelForSemanticSegmentation")
+    VecaForDepthEstimation.register_for_auto_class("AutoModelForDepthEstimation")
     VecaImageProcessor.register_for_auto_class("AutoImageProcessor")
     VecaImageProcessorPil.register_for_auto_class("AutoImageProcessor")
 
@@ -71,7 +78,9 @@ __all__ = [
     "VECA_PRESET_TEACHERS",
     "VecaBackbone",
     "VecaConfig",
+    "VecaForDepthEstimation",
     "VecaForImageClassification",
+    "VecaForSemanticSegmentation",
     "VecaImageProcessor",
     "VecaImageProcessorPil",
     "VecaModel",

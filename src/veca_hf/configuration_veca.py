@@ -93,6 +93,9 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
             [`VecaBackbone`] only: stages to return, among `"stem"`, `"stage1"`, ..., `"stage{L}"`.
         out_indices (`list[int]`, *optional*):
             [`VecaBackbone`] only: indices of the stages to return (alternative to `out_features`).
+        semantic_loss_ignore_index (`int`, *optional*, defaults to 255):
+            [`VecaForSemanticSegmentation`] only: the label that the loss ignores (unlabelled and padded pixels), as
+            in SegFormer's and BEiT's configs.
 
     Example:
 
@@ -132,6 +135,7 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     core_coordinate_step_init: float = 0.01
     apply_layernorm: bool = True
     reshape_hidden_states: bool = True
+    semantic_loss_ignore_index: int = 255
     _out_features: list[str] | None = None
     _out_indices: list[int] | None = None
 

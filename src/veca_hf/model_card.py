@@ -5,7 +5,9 @@
 `library_name`, `pipeline_tag`, tags, the teacher as `base_model`, datasets), then the model's size, its training
 data, a per-budget table (quality where measured, FLOPs from `veca_hf.flops`, latency measured on the current
 device), how to load it and how to pick a budget. The converter (`veca_hf.convert_veca_original`),
-`examples/distill.py` and `examples/finetune_classification.py` call it on the folders they save.
+`examples/distill.py` and the fine-tuning scripts (`examples/finetune_*.py`, through `write_finetuned_model_card`)
+call it on the folders they save. Besides VECA's own models it takes transformers' dense heads with a VECA backbone
+(UperNet, DPT, Depth Anything).
 
 `push_to_hub(folder, repo_id)` uploads such a folder (model, image processor and card) in one commit.
 """
@@ -17,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from transformers import AutoConfig, PreTrainedModel, Trainer
 from transformers.utils import logging
 
 from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .flops import veca_model_flops
 from .modeling_veca import VecaForImageClassification, VecaModel
+from .modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
 from .training import pick_budget
 
 
@@ -35,6 +40,7 @@ __all__ = [
     "preset_teacher",
     "push_to_hub",
     "resolve_hub_model_id",
+    "write_finetuned_model_card",
     "write_model_card",
 ]
 
@@ -43,14 +49,56 @@ PAPER_URL = "https://arxiv.org/abs/2605.12491"
 HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoint-*", "sample_sources/*", "runs/*", "_*", "*.tmp"]
 # Trainer bookkeeping that `evaluate_budgets` also reports per budget: not a quality measure.
 _NOT_QUALITY = {"runtime", "samples_per_second", "steps_per_second", "epoch"}
+_VECA_CLASSES = {
+    cls.__name__: cls
+    for cls in (VecaModel, VecaForImageClassification, VecaForSemanticSegmentation, VecaForDepthEstimation)
+}
+# By saved class: the pipeline tag, the Auto class that loads it and what its head is. The last three are
+# transformers' own heads with a VECA backbone (`backbone_config`).
+_CARD_CLASSES = {
+    "VecaModel": ("image-feature-extraction", "AutoModel", "no head (features)"),
+    "VecaForImageClassification": (
+        "image-classification", "AutoModelForImageClassification", "a linear classifier on the first core"
+    ),
+    "VecaForSemanticSegmentation": (
+        "image-segmentation", "AutoModelForSemanticSegmentation",
+        "a linear layer on every patch token and the first core, upsampled to the input size",
+    ),
+    "VecaForDepthEstimation": (
+        "depth-estimation", "AutoModelForDepthEstimation",
+        "a linear layer (one output, the depth) on every patch token and the first core, upsampled to the input size",
+    ),
+    "UperNetForSemanticSegmentation": (
+        "image-segmentation", "AutoModelForSemanticSegmentation", "transformers' UperNet on VECA feature maps"
+    ),
+    "DPTForDepthEstimation": ("depth-estimation", "AutoModelForDepthEstimation", "transformers' DPT on VECA tokens"),
+    "DepthAnythingForDepthEstimation": (
+        "depth-estimation", "AutoModelForDepthEstimation", "transformers' Depth Anything head on VECA tokens"
+    ),
+}  # fmt: skip
 
 
-def load_saved_model(model_dir: str | Path) -> VecaModel | VecaForImageClassification:
-    """Loads a saved folder as the class it was saved from (`config.architectures`), in eval mode."""
-    config = VecaConfig.from_pretrained(model_dir)
-    if "VecaForImageClassification" in (config.architectures or []):
-        return VecaForImageClassification.from_pretrained(model_dir).eval()
-    return VecaModel.from_pretrained(model_dir).eval()
+def _saved_class(config) -> tuple[str, VecaConfig]:
+    """The saved class's name and the VECA config inside (the config itself, or its `backbone_config`)."""
+    name = (config.architectures or ["VecaModel"])[0]
+    veca = config if isinstance(config, VecaConfig) else getattr(config, "backbone_config", None)
+    if name not in _CARD_CLASSES or not isinstance(veca, VecaConfig):
+        raise ValueError(
+            f"The folder holds a {name} ({config.model_type}): model cards are written for VECA models and for "
+            f"transformers' heads with a VECA backbone ({', '.join(_CARD_CLASSES)})."
+        )
+    return name, veca
+
+
+def _model_class(name: str) -> type[PreTrainedModel]:
+    return _VECA_CLASSES.get(name) or getattr(transformers, name)
+
+
+def load_saved_model(model_dir: str | Path) -> PreTrainedModel:
+    """Loads a saved folder as the class it was saved from (`config.architectures`), in eval mode: a VECA model, or
+    one of transformers' dense heads with a VECA backbone."""
+    name, _ = _saved_class(AutoConfig.from_pretrained(model_dir))
+    return _model_class(name).from_pretrained(model_dir).eval()
 
 
 def preset_teacher(config: VecaConfig) -> str | None:
@@ -217,8 +265,10 @@ def write_model_card(
 
     Args:
         model_dir (`str` or `Path`):
-            A folder with a saved `VecaModel` or `VecaForImageClassification` (`config.json`).
-        model (`VecaModel` or `VecaForImageClassification`, *optional*):
+            A folder with a saved VECA model (`VecaModel`, `VecaForImageClassification`,
+            `VecaForSemanticSegmentation`, `VecaForDepthEstimation`) or a transformers head with a VECA backbone
+            (`UperNetForSemanticSegmentation`, `DPTForDepthEstimation`, `DepthAnythingForDepthEstimation`).
+        model (`PreTrainedModel`, *optional*):
             The model in memory, to time it where it is (e.g. on the training GPU); otherwise it is loaded from
             `model_dir` onto the CPU when latency is measured.
         model_id (`str`, *optional*):
@@ -241,7 +291,8 @@ def write_model_card(
         license (`str`, *optional*, defaults to `"apache-2.0"`):
             The license identifier for the Hub metadata.
         pipeline_tag (`str`, *optional*):
-            Defaults to `"image-classification"` for a classifier, else `"image-feature-extraction"`.
+            Defaults to `"image-classification"` for a classifier, `"image-segmentation"` and `"depth-estimation"`
+            for the dense heads, else `"image-feature-extraction"`.
         tags (`Sequence[str]`, *optional*):
             Extra Hub tags.
         resolutions (`Sequence[int]`, *optional*):
@@ -257,8 +308,11 @@ def write_model_card(
         `huggingface_hub.ModelCard`: the card written to `model_dir/README.md`.
     """
     model_dir = Path(model_dir)
-    config = VecaConfig.from_pretrained(model_dir)
-    is_classifier = "VecaForImageClassification" in (config.architectures or [])
+    saved_config = AutoConfig.from_pretrained(model_dir)
+    class_name, config = _saved_class(saved_config)
+    default_tag, auto_class, head = _CARD_CLASSES[class_name]
+    is_classifier = class_name == "VecaForImageClassification"
+    has_veca_code = class_name in _VECA_CLASSES  # transformers' heads: the code is transformers', VECA is registered
     resolutions = tuple(resolutions) if resolutions else (16 * config.patch_size, 32 * config.patch_size)
     for resolution in resolutions:
         if resolution % config.patch_size:
@@ -271,7 +325,7 @@ def write_model_card(
     for budget in budget_metrics:
         config.check_budget(budget, name="budget_metrics key")
     model_id = model_id or model_dir.absolute().name
-    pipeline_tag = pipeline_tag or ("image-classification" if is_classifier else "image-feature-extraction")
+    pipeline_tag = pipeline_tag or default_tag
 
     latencies, latency_device = None, None
     if measure_latency:
@@ -279,15 +333,13 @@ def write_model_card(
             model if model is not None else load_saved_model(model_dir), resolutions, latency_repeats
         )
     with torch.device("meta"):  # shapes only: counts parameters without memory or initialisation
-        num_parameters = sum(
-            p.numel() for p in (VecaForImageClassification if is_classifier else VecaModel)(config).parameters()
-        )
+        num_parameters = sum(p.numel() for p in _model_class(class_name)(saved_config).parameters())
 
     card_data = ModelCardData(
         license=license,
         library_name="transformers",
         pipeline_tag=pipeline_tag,
-        tags=list(dict.fromkeys(["veca", "vision", pipeline_tag, "custom_code", *tags])),
+        tags=list(dict.fromkeys(["veca", "vision", pipeline_tag, *(["custom_code"] if has_veca_code else []), *tags])),
         # NOTE: the Hub checks that these name repositories; local paths are only mentioned in the text.
         base_model=base_model if base_model and _is_hub_id(base_model) else None,
         datasets=[name for name in datasets if _is_hub_id(name)] or None,
@@ -303,26 +355,25 @@ def write_model_card(
         + (f"\n\n{description}" if description else "")
     )
 
-    head = "a linear classifier on the first core" if is_classifier else "no head (features)"
     details = [
         "| | |",
         "|---|---|",
-        f"| class | `{'VecaForImageClassification' if is_classifier else 'VecaModel'}`, {head} |",
+        f"| class | `{class_name}`, {head} |",
         f"| parameters | {num_parameters / 1e6:.2f}M |",
         f"| layers / width / heads / MLP | {config.num_hidden_layers} / {config.hidden_size} / "
         f"{config.num_attention_heads} / {config.intermediate_size} (SwiGLU) |",
         f"| patch size | {config.patch_size} |",
         f"| core bank | {config.num_core_tokens} cores in chunks of {config.core_chunk_size} |",
         f"| default budget | {config.default_num_core_tokens or config.num_core_tokens} "
-        "(`config.default_num_core_tokens`) |",
+        f"(`config.{'' if has_veca_code else 'backbone_config.'}default_num_core_tokens`) |",
     ]
     if base_model:
         link = (
             f"[`{base_model}`](https://huggingface.co/{base_model})" if _is_hub_id(base_model) else f"`{base_model}`"
         )
         details.append(f"| base model | {link} |")
-    if is_classifier:
-        details.append(f"| labels | {config.num_labels} |")
+    if is_classifier or pipeline_tag == "image-segmentation":
+        details.append(f"| labels | {saved_config.num_labels} |")
     sections.append("## Model details\n\n" + "\n".join(details))
 
     data = "\n".join(f"- `{name}`" for name in datasets) if datasets else "Not recorded for this folder."
@@ -338,7 +389,8 @@ def write_model_card(
 
     notes = [
         "FLOPs: one forward pass of one square image, counted by `veca_hf.flops.veca_model_flops` (one multiply-add = "
-        "2 FLOPs; matmuls, linears and convolutions, as `torch.utils.flop_counter` counts them)."
+        "2 FLOPs; matmuls, linears and convolutions, as `torch.utils.flop_counter` counts them)"
+        + ("." if class_name in ("VecaModel", "VecaForImageClassification") else "; the VECA backbone only, not the head.")
     ]
     if budget_metrics:
         notes.append(f"Quality: {metrics_description or 'as measured when the folder was written'}.")
@@ -357,43 +409,116 @@ def write_model_card(
         + "\n".join(f"- {note}" for note in notes)
     )
 
-    auto_class = "AutoModelForImageClassification" if is_classifier else "AutoModel"
     budget = config.budgets[len(config.budgets) // 2 - 1] if len(config.budgets) > 1 else config.budgets[0]
+    call = f"model(**inputs, num_core_tokens={budget})"
+    if not has_veca_code:  # transformers' head: it takes neither a budget nor a pixel_mask; its VECA gets them
+        call = f'model(inputs["pixel_values"])  # at {budget} cores through veca_call_defaults'
     if is_classifier:
-        run = (
-            f"    logits = model(**inputs, num_core_tokens={budget}).logits\n"
-            "print(model.config.id2label[logits.argmax(-1).item()])"
-        )
+        run = f"    logits = {call}.logits\nprint(model.config.id2label[logits.argmax(-1).item()])"
+    elif pipeline_tag == "image-segmentation":
+        run = f"    logits = {call}.logits  # (1, num_labels, H, W)\nsegmentation = logits.argmax(1)[0]  # (H, W)"
+    elif pipeline_tag == "depth-estimation":
+        run = f"    depth = {call}.predicted_depth[0]  # (H, W)"
     else:
         run = (
-            f"    outputs = model(**inputs, num_core_tokens={budget})\n"
+            f"    outputs = {call}\n"
             "cores_and_patches = outputs.last_hidden_state  # (1, C + N, D): the C cores first, then the patches\n"
             "global_feature = outputs.pooler_output  # (1, D): the first core"
         )
+    context = "with torch.no_grad():"
+    imports = ""
+    if not has_veca_code:
+        context = f"with torch.no_grad(), veca_call_defaults(model, num_core_tokens={budget}):"
+        imports = "from veca_hf.training import veca_call_defaults\n"
+    if has_veca_code:
+        loading = (
+            "Without `veca_hf` installed, pass `trust_remote_code=True` to `from_pretrained`: the folder carries its "
+            "modeling code."
+        )
+    else:
+        loading = (
+            f"`{class_name}` is transformers' own class; loading its VECA backbone needs `import veca_hf` (which "
+            "registers `VecaConfig`)."
+        )
+    loading += f" Any height and width that are multiples of {config.patch_size} work."
+    if pipeline_tag in ("image-classification", "image-feature-extraction"):
+        loading += f' Pipelines (`pipeline("{pipeline_tag}", model=...)`) run at `config.default_num_core_tokens`.'
     sections.append(
         "## How to use\n\n"
         "```python\nimport torch\nfrom PIL import Image\nimport veca_hf  # registers VECA with the Auto classes\n"
-        f"from transformers import AutoImageProcessor, {auto_class}\n\n"
+        f"from transformers import AutoImageProcessor, {auto_class}\n{imports}\n"
         f'model = {auto_class}.from_pretrained("{model_id}").eval()\n'
         f'processor = AutoImageProcessor.from_pretrained("{model_id}")\n'
         'inputs = processor(images=Image.open("photo.jpg"), return_tensors="pt")\n'
-        f"with torch.no_grad():\n{run}\n```\n\n"
-        "Without `veca_hf` installed, pass `trust_remote_code=True` to `from_pretrained`: the folder carries its "
-        "modeling code. Any height and width that are multiples of "
-        f'{config.patch_size} work. Pipelines (`pipeline("{pipeline_tag}", model=...)`) run at '
-        "`config.default_num_core_tokens`."
+        f"{context}\n{run}\n```\n\n"
+        + loading
     )
+    budget_setting = "model.config.default_num_core_tokens = choice.num_core_tokens  # the budget pipelines and Trainer use"
+    if not has_veca_code:
+        budget_setting = "veca_config(model).default_num_core_tokens = choice.num_core_tokens  # the head's budget"
     sections.append(
         "## Picking a budget\n\n"
         "Smaller budgets are cheaper and a little less accurate. `pick_budget` times every budget on the current "
         "device and returns the largest one that meets a latency target:\n\n"
-        "```python\nfrom veca_hf.training import pick_budget\n\n"
+        f"```python\nfrom veca_hf.training import pick_budget{', veca_config' if not has_veca_code else ''}\n\n"
         "choice = pick_budget(model, 512, latency_target_ms=50)  # image side (or (height, width)), target per batch\n"
         "print(choice.table())\n"
-        "model.config.default_num_core_tokens = choice.num_core_tokens  # the budget pipelines and Trainer use\n```"
+        f"{budget_setting}\n```"
     )
     sections.append(f"## Citation\n\nVECA: [arXiv 2605.12491]({PAPER_URL}).")
 
     card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
     card.save(model_dir / "README.md")
+    return card
+
+
+def write_finetuned_model_card(
+    trainer: Trainer,
+    *,
+    base_model: str,
+    datasets: str | Sequence[str] | None,
+    training_budget: int | str,
+    eval_metrics: Mapping[str, float] | None,
+    metrics_description: str,
+    description: str,
+) -> ModelCard | None:
+    """
+    The model card of a fine-tuning script's output folder (`trainer.args.output_dir`), written on the main process
+    once the model is saved there, and pushed to `trainer.hub_model_id` with `--push_to_hub` (replacing `Trainer`'s
+    card). Returns `None` where nothing was written (another process, or no saved model).
+
+    Args:
+        trainer (`Trainer`): the trainer that saved the model (its arguments, step count and Hub settings are used).
+        base_model (`str`): the folder or Hub id that was fine-tuned.
+        datasets (`str` or `Sequence[str]`, *optional*): the training data.
+        training_budget (`int` or `str`): the budget trained at (`training_budget_description`).
+        eval_metrics (`Mapping[str, float]`, *optional*): `eval_C{C}_<metric>` results of `evaluate_and_save_budgets`.
+        metrics_description (`str`): what the metrics are, on which data.
+        description (`str`): how the folder was made.
+    """
+    args = trainer.args
+    if not trainer.is_world_process_zero() or not (Path(args.output_dir) / "config.json").is_file():
+        return None
+    details = {
+        "learning rate": args.learning_rate,
+        "weight decay": args.weight_decay,
+        "batch size (all devices)": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
+        "optimiser steps": trainer.state.global_step,
+        "training budget": training_budget,
+        "seed": args.seed,
+    }
+    card = write_model_card(
+        args.output_dir,
+        # ZeRO-3 partitions the weights in memory: time the saved model instead (on the CPU).
+        model=None if trainer.is_deepspeed_enabled else trainer.model,
+        model_id=trainer.hub_model_id if args.push_to_hub else None,
+        base_model=base_model,
+        datasets=datasets,
+        budget_metrics=budget_metrics_from_results(eval_metrics) if eval_metrics else None,
+        metrics_description=metrics_description,
+        description=description,
+        training_details=details,
+    )
+    if args.push_to_hub:
+        card.push_to_hub(trainer.hub_model_id, token=args.hub_token)
     return card

@@ -25,7 +25,10 @@ relatively, so `save_pretrained` copies them too), so that a saved folder loads 
 """
 
 import contextlib
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,6 +65,8 @@ VECA_AUTO_MAP = {
     "AutoModel": "modeling_veca.VecaModel",
     "AutoModelForImageClassification": "modeling_veca.VecaForImageClassification",
     "AutoBackbone": "modeling_veca.VecaBackbone",
+    "AutoModelForSemanticSegmentation": "modeling_veca_dense.VecaForSemanticSegmentation",
+    "AutoModelForDepthEstimation": "modeling_veca_dense.VecaForDepthEstimation",
 }
 
 
@@ -401,8 +406,15 @@ class VecaPreTrainedModel(PreTrainedModel):
         return attn_implementation
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Same as [`PreTrainedModel.save_pretrained`], plus the code and an `auto_map` for `trust_remote_code`."""
-        self.config.auto_map = {**VECA_AUTO_MAP, **(getattr(self.config, "auto_map", None) or {})}
+        """Same as [`PreTrainedModel.save_pretrained`], plus the code and an `auto_map` for `trust_remote_code`: the
+        modules `VECA_AUTO_MAP` names that sit beside this file (dense heads included) are copied; others left out."""
+        here = Path(__file__).parent
+        shipped = {key: ref for key, ref in VECA_AUTO_MAP.items() if (here / f"{ref.split('.')[0]}.py").is_file()}
+        if kwargs.get("is_main_process", True):
+            os.makedirs(save_directory, exist_ok=True)
+            for module in {ref.split(".")[0] for ref in shipped.values()}:
+                shutil.copyfile(here / f"{module}.py", Path(save_directory) / f"{module}.py")
+        self.config.auto_map = {**shipped, **(getattr(self.config, "auto_map", None) or {})}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -3,29 +3,126 @@
 
 - `VecaTrainer`: a `transformers.Trainer` that keeps weight decay off the cores, the core coordinates and the
   coordinate step scales; trains at a fixed budget or at a budget drawn per optimiser step (as in distillation);
-  and evaluates at a chosen budget.
+  and evaluates at a chosen budget. It works for VECA's own models and for transformers' heads with a VECA
+  backbone (UperNet, DPT, Depth Anything), whose forward cannot take a budget or a `pixel_mask`.
+- `BudgetArguments` and what the fine-tuning scripts build from them: `budget_sampler_from_args`,
+  `eval_budgets_from_args`, `evaluate_and_save_budgets` (`all_results.json` with `eval_C{C}_<metric>` keys).
 - `evaluate_budgets`: `trainer.evaluate` at several budgets, with metrics prefixed `eval_C{C}_`.
+- `veca_call_defaults`: a budget or a `pixel_mask` for the VECA inside any model, for one block of code.
 - `pick_budget`: measures the model at every budget on the current device and returns the largest budget whose
   median latency meets a target.
 
-`examples/finetune_classification.py` is the script that puts these together; see `docs/budget_picker.md`.
+`examples/finetune_classification.py`, `finetune_segmentation.py` and `finetune_depth.py` put these together; see
+`docs/budget_picker.md` and `docs/dense_tasks.md`.
 """
 
 import contextlib
+import inspect
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
 
-from .distillation import BudgetSampler, get_parameter_groups
+from .configuration_veca import VecaConfig
+from .distillation import DEFAULT_BUDGET_WEIGHTS, DEFAULT_BUDGETS, BudgetSampler, get_parameter_groups
+from .modeling_veca import VecaModel
 
 
 logger = logging.get_logger(__name__)
+
+
+
+def find_veca_config(model: nn.Module) -> VecaConfig | None:
+    """The config the VECA inside `model` reads (its first `VecaModel`'s), or `None` if it holds none.
+
+    For VECA's own models it is `model.config`; for transformers' heads with a VECA backbone (UperNet, DPT, Depth
+    Anything) it is the backbone's, where `default_num_core_tokens` lives.
+    """
+    for module in model.modules():
+        if isinstance(module, VecaModel):
+            return module.config
+    return None
+
+
+def veca_config(model: nn.Module) -> VecaConfig:
+    """[`find_veca_config`], or a `ValueError` if `model` holds no VECA."""
+    config = find_veca_config(model)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} holds no VecaModel: budgets apply to VECA models only.")
+    return config
+
+
+def _forward_parameters(model: nn.Module) -> set[str] | None:
+    """The argument names `model.forward` takes; `None` if it takes any (`**kwargs`, e.g. a PEFT wrapper)."""
+    parameters = inspect.signature(model.forward).parameters
+    if any(parameter.kind == inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return None
+    return set(parameters)
+
+
+@contextlib.contextmanager
+def veca_call_defaults(model: nn.Module, **defaults) -> Iterator[None]:
+    """
+    Inside the block, every `VecaModel` in `model` gets `defaults` for the arguments it is called without (or with
+    `None`): how a budget or a `pixel_mask` reaches the VECA backbone of a head whose forward cannot pass them.
+
+    transformers' UperNet, DPT and Depth Anything call their backbone with the pixels only; their budget is otherwise
+    `default_num_core_tokens`, fixed in the config, and a padded batch would show its padding to the cores.
+
+    Args:
+        model (`nn.Module`):
+            Any model holding a `VecaModel` (a head, a backbone, a VECA model, a PEFT or DDP wrapper of one).
+        defaults:
+            `VecaModel.forward` arguments, e.g. `num_core_tokens=16, pixel_mask=mask`; `None` values are skipped.
+
+    Example:
+
+    ```python
+    with veca_call_defaults(upernet, num_core_tokens=16, pixel_mask=inputs["pixel_mask"]):
+        logits = upernet(inputs["pixel_values"]).logits
+    ```
+    """
+    defaults = {name: value for name, value in defaults.items() if value is not None}
+    if not defaults:
+        yield
+        return
+
+    def fill_in(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for name, value in defaults.items():
+            if kwargs.get(name) is None:
+                kwargs[name] = value
+        return args, kwargs
+
+    handles = [
+        module.register_forward_pre_hook(fill_in, with_kwargs=True)
+        for module in model.modules()
+        if isinstance(module, VecaModel)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def split_veca_inputs(model: nn.Module, inputs: dict, num_core_tokens: int | None) -> tuple[dict, dict]:
+    """`(inputs for model.forward, arguments for its VECA through veca_call_defaults)`: the budget and `pixel_mask`
+    go into the inputs where `model.forward` takes them, into the second dict where it does not."""
+    accepted = _forward_parameters(model)
+    inputs, hooked = dict(inputs), {}
+    if num_core_tokens is not None:
+        if accepted is None or "num_core_tokens" in accepted:
+            inputs["num_core_tokens"] = num_core_tokens
+        else:
+            hooked["num_core_tokens"] = num_core_tokens
+    if "pixel_mask" in inputs and accepted is not None and "pixel_mask" not in accepted:
+        hooked["pixel_mask"] = inputs.pop("pixel_mask")
+    return inputs, hooked
 
 
 class VecaTrainer(Trainer):
@@ -46,6 +143,10 @@ class VecaTrainer(Trainer):
 
     A budget left at `None` is not passed to the model, which then uses `config.default_num_core_tokens` (the whole
     bank if that is `None` too).
+
+    The model can be a VECA model or any model with a VECA inside (`UperNetForSemanticSegmentation`,
+    `DPTForDepthEstimation`, `DepthAnythingForDepthEstimation` with a `VecaConfig` backbone): where its forward takes
+    no `num_core_tokens` or no `pixel_mask`, they reach the VECA through [`veca_call_defaults`].
 
     NOTE: a step at a budget below the bank leaves the unused core chunks without gradients. Under
     `DistributedDataParallel` that needs `find_unused_parameters=True`, which is `Trainer`'s default for transformers
@@ -87,8 +188,8 @@ class VecaTrainer(Trainer):
         self.num_core_tokens = num_core_tokens
         self.budget_sampler = budget_sampler
         self.eval_num_core_tokens = eval_num_core_tokens
-        config = getattr(self.model, "config", None)
-        if config is not None and hasattr(config, "check_budget"):  # fail now rather than at the first sampled step
+        config = find_veca_config(self.model)
+        if config is not None:  # fail now rather than at the first sampled step
             for name, budget in (("num_core_tokens", num_core_tokens), ("eval_num_core_tokens", eval_num_core_tokens)):
                 if budget is not None:
                     config.check_budget(budget, name=name)
@@ -110,16 +211,14 @@ class VecaTrainer(Trainer):
         return [name for name, parameter in model.named_parameters() if id(parameter) in decayed]
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
-        budget = self.training_budget(self.state.global_step)
-        if budget is not None:
-            inputs = {**inputs, "num_core_tokens": budget}
-        return super().training_step(model, inputs, num_items_in_batch)
+        inputs, hooked = split_veca_inputs(self.model, inputs, self.training_budget(self.state.global_step))
+        with veca_call_defaults(self.model, **hooked):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
-        budget = self.evaluation_budget
-        if budget is not None:
-            inputs = {**inputs, "num_core_tokens": budget}
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        inputs, hooked = split_veca_inputs(self.model, inputs, self.evaluation_budget)
+        with veca_call_defaults(self.model, **hooked):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
 @contextlib.contextmanager
@@ -127,8 +226,8 @@ def _evaluation_budget(trainer: Trainer, budget: int) -> Iterator[None]:
     """Evaluate at `budget` inside the block: `VecaTrainer.eval_num_core_tokens`, else the model's config default."""
     if isinstance(trainer, VecaTrainer):
         owner, attribute = trainer, "eval_num_core_tokens"
-    else:  # a plain Trainer cannot pass the budget; the model reads its config
-        owner, attribute = trainer.model.config, "default_num_core_tokens"
+    else:  # a plain Trainer cannot pass the budget; the model reads its (VECA's) config
+        owner, attribute = veca_config(trainer.model), "default_num_core_tokens"
     previous = getattr(owner, attribute)
     setattr(owner, attribute, budget)
     try:
@@ -145,8 +244,8 @@ def evaluate_budgets(
 
     Args:
         trainer (`Trainer`):
-            A `VecaTrainer` (its `eval_num_core_tokens` is set for each call), or any `Trainer` whose model has a
-            VECA config (its `config.default_num_core_tokens` is set for each call). Both are restored afterwards.
+            A `VecaTrainer` (its `eval_num_core_tokens` is set for each call), or any `Trainer` whose model holds a
+            VECA (the VECA's `config.default_num_core_tokens` is set for each call). Both are restored afterwards.
         eval_dataset (`Dataset`, *optional*):
             Defaults to `trainer.eval_dataset`.
         budgets (`Sequence[int]`, *optional*):
@@ -158,7 +257,7 @@ def evaluate_budgets(
         `dict[int, dict[str, float]]`: budget -> the metrics of that evaluation, keyed `eval_C{C}_<name>`
         (`eval_C8_loss`, `eval_C8_accuracy`, `eval_C8_runtime`, ...); merge the dicts for `trainer.save_metrics`.
     """
-    config = trainer.model.config
+    config = veca_config(trainer.model)
     budgets = list(config.budgets if budgets is None else budgets)
     for budget in budgets:
         config.check_budget(budget)
@@ -169,6 +268,84 @@ def evaluate_budgets(
                 eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=f"eval_C{budget}"
             )
     return results
+
+
+
+@dataclass
+class BudgetArguments:
+    """How many cores (the budget C) to train and evaluate with: the flags every fine-tuning script shares."""
+
+    num_core_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Training budget (without --sample_budgets), saved as the model's default budget."},
+    )
+    sample_budgets: bool = field(default=False, metadata={"help": "Draw the budget of every optimiser step."})
+    budgets: str | None = field(
+        default=None, metadata={"help": "Budgets to draw from, e.g. '8,16,32,64' (default: all of the model's)."}
+    )
+    budget_weights: str | None = field(
+        default=None,
+        metadata={"help": "Their weights, e.g. '1,1,2,2' (default: 1,1,2,2,3,3,4,4 for 8..64, else equal)."},
+    )
+    eval_budgets: str | None = field(
+        default=None,
+        metadata={"help": "Budgets to evaluate at, e.g. '8,16,64' (default: smallest, training default, largest)."},
+    )
+
+
+def parse_number_list(text: str | None, cast=int) -> list | None:
+    """'8, 16,64' -> [8, 16, 64]; None stays None."""
+    return None if text is None else [cast(part) for part in text.replace(" ", "").split(",") if part]
+
+
+def budget_sampler_from_args(budget_args: BudgetArguments, model: nn.Module, seed: int) -> BudgetSampler | None:
+    """The per-step budget sampler of `--sample_budgets` (`--budgets`, `--budget_weights`), or `None` without it.
+
+    Without `--budget_weights`, the paper's weights 1,1,2,2,3,3,4,4 for the budgets 8..64, equal weights otherwise.
+    """
+    if not budget_args.sample_budgets:
+        return None
+    budgets = parse_number_list(budget_args.budgets) or veca_config(model).budgets
+    weights = parse_number_list(budget_args.budget_weights, float)
+    if weights is None and tuple(budgets) == DEFAULT_BUDGETS:
+        weights = DEFAULT_BUDGET_WEIGHTS
+    logger.info(f"Sampling one budget per step from {budgets} with weights {weights or 'equal'}.")
+    return BudgetSampler(budgets, weights, seed=seed)
+
+
+def eval_budgets_from_args(budget_args: BudgetArguments, model: nn.Module) -> list[int]:
+    """`--eval_budgets`, else the smallest budget, the model's default and the largest."""
+    config = veca_config(model)
+    default_budget = config.default_num_core_tokens or config.num_core_tokens
+    return parse_number_list(budget_args.eval_budgets) or sorted(
+        {config.budgets[0], default_budget, config.budgets[-1]}
+    )
+
+
+def training_budget_description(
+    budget_args: BudgetArguments, budget_sampler: BudgetSampler | None, model: nn.Module
+) -> int | str:
+    """What the model card says the training budget was."""
+    if budget_sampler is not None:
+        return f"sampled per step from {list(budget_sampler.values)}"
+    config = veca_config(model)
+    return budget_args.num_core_tokens or config.default_num_core_tokens or config.num_core_tokens
+
+
+def evaluate_and_save_budgets(trainer: Trainer, budgets: Sequence[int], eval_dataset=None) -> dict[str, float]:
+    """
+    [`evaluate_budgets`] at `budgets`, the per-budget metrics merged into one dict (`eval_C8_loss`,
+    `eval_C8_mean_iou`, ...), logged and saved as `eval_results.json` (merged into `all_results.json`).
+
+    Returns:
+        `dict[str, float]`: the merged metrics.
+    """
+    metrics = {}
+    for budget_metrics in evaluate_budgets(trainer, eval_dataset=eval_dataset, budgets=budgets).values():
+        metrics.update(budget_metrics)
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)  # eval_results.json, merged into all_results.json
+    return metrics
 
 
 @dataclass
@@ -209,6 +386,13 @@ def _synchronize(device: torch.device) -> None:
         getattr(torch, device.type).synchronize()
 
 
+def _forward_at(model: nn.Module, pixel_values: torch.Tensor, budget: int):
+    """One forward pass at `budget`, passed as an argument where the model takes one."""
+    inputs, hooked = split_veca_inputs(model, {}, budget)
+    with veca_call_defaults(model, **hooked):
+        return model(pixel_values, **inputs)
+
+
 def pick_budget(
     model: nn.Module,
     image_size: tuple[int, int] | int,
@@ -236,7 +420,8 @@ def pick_budget(
     Args:
         model (`nn.Module`):
             A VECA model taking `(pixel_values, num_core_tokens=C)`: `VecaModel`, `VecaForImageClassification`,
-            `VecaBackbone`, or a compiled one.
+            `VecaForSemanticSegmentation`, `VecaBackbone`, or a compiled one; or a head with a VECA backbone
+            (UperNet, DPT, Depth Anything), whose budget is then set through [`veca_call_defaults`].
         image_size (`int` or `tuple[int, int]`):
             Input side, or `(height, width)`; multiples of the patch size.
         latency_target_ms (`float`):
@@ -264,7 +449,7 @@ def pick_budget(
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms!r}.")
     if batch_size < 1 or warmup < 0 or repeats < 1:
         raise ValueError(f"Need batch_size >= 1, warmup >= 0 and repeats >= 1; got {batch_size}, {warmup}, {repeats}.")
-    config = model.config
+    config = veca_config(model)
     budgets = sorted({config.check_budget(int(budget)) for budget in (config.budgets if budgets is None else budgets)})
     if not budgets:
         raise ValueError("`budgets` is empty.")
@@ -283,13 +468,13 @@ def pick_budget(
         with torch.no_grad():
             for budget in budgets:
                 for _ in range(warmup):
-                    model(pixel_values, num_core_tokens=budget)
+                    _forward_at(model, pixel_values, budget)
             timings = {budget: [] for budget in budgets}
             for _ in range(repeats):  # round-robin: a change in machine load hits every budget alike
                 for budget in budgets:
                     _synchronize(device)
                     start = time.perf_counter()
-                    model(pixel_values, num_core_tokens=budget)
+                    _forward_at(model, pixel_values, budget)
                     _synchronize(device)
                     timings[budget].append((time.perf_counter() - start) * 1e3)
         latencies_ms = {budget: statistics.median(values) for budget, values in timings.items()}
@@ -316,4 +501,19 @@ def pick_budget(
     return choice
 
 
-__all__ = ["BudgetChoice", "VecaTrainer", "evaluate_budgets", "pick_budget"]
+__all__ = [
+    "BudgetArguments",
+    "BudgetChoice",
+    "VecaTrainer",
+    "budget_sampler_from_args",
+    "eval_budgets_from_args",
+    "evaluate_and_save_budgets",
+    "evaluate_budgets",
+    "find_veca_config",
+    "parse_number_list",
+    "pick_budget",
+    "split_veca_inputs",
+    "training_budget_description",
+    "veca_call_defaults",
+    "veca_config",
+]
