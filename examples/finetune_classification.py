@@ -26,7 +26,6 @@ come from one JSON or YAML file, optionally followed by flags that override it:
 
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 
 import datasets
@@ -47,6 +46,7 @@ from veca_hf.training import (
     budget_sampler_from_args,
     eval_budgets_from_args,
     evaluate_and_save_budgets,
+    setup_logging,
     training_budget_description,
 )
 
@@ -104,15 +104,7 @@ def main():
     # NOTE: with `with_transform` the image column must reach the transform; Trainer would drop it otherwise.
     training_args.remove_unused_columns = False
 
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
-    )
-    log_level = training_args.get_process_log_level()
-    logger.setLevel(log_level)
-    transformers.utils.logging.set_verbosity(log_level)
-    datasets.utils.logging.set_verbosity(log_level)
+    setup_logging(training_args, logger)
     logger.info(f"Training/evaluation parameters {training_args}")
     transformers.set_seed(training_args.seed)
 
@@ -233,6 +225,7 @@ def main():
         description=f"Fine-tuned for image classification from `{model_args.model_name_or_path}` with "
         "`examples/finetune_classification.py`.",
     )
+
 
 if __name__ == "__main__":
     main()

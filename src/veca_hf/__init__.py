@@ -3,8 +3,9 @@
 
 Importing this package registers VECA with the Auto classes (`AutoConfig`, `AutoModel`,
 `AutoModelForImageClassification`, `AutoModelForSemanticSegmentation`, `AutoModelForDepthEstimation`, `AutoBackbone`,
-`AutoImageProcessor`), so Auto loading and pipelines work on saved VECA folders. The image processors follow transformers 5: `VecaImageProcessor` (torchvision backend, chosen by
-`AutoImageProcessor` when torchvision is installed) and `VecaImageProcessorPil` (PIL, the base install).
+`AutoImageProcessor`), so Auto loading and pipelines work on saved VECA folders. The image processors follow
+transformers 5: `VecaImageProcessor` (torchvision backend, chosen by `AutoImageProcessor` when torchvision is
+installed) and `VecaImageProcessorPil` (PIL, the base install).
 """
 
 import warnings

@@ -81,6 +81,8 @@ _CARD_CLASSES = {
 def _saved_class(config) -> tuple[str, VecaConfig]:
     """The saved class's name and the VECA config inside (the config itself, or its `backbone_config`)."""
     name = (config.architectures or ["VecaModel"])[0]
+    if isinstance(config, VecaConfig) and name not in _CARD_CLASSES:  # e.g. a VecaBackbone: described as VecaModel
+        name = "VecaModel"
     veca = config if isinstance(config, VecaConfig) else getattr(config, "backbone_config", None)
     if name not in _CARD_CLASSES or not isinstance(veca, VecaConfig):
         raise ValueError(
@@ -390,7 +392,11 @@ def write_model_card(
     notes = [
         "FLOPs: one forward pass of one square image, counted by `veca_hf.flops.veca_model_flops` (one multiply-add = "
         "2 FLOPs; matmuls, linears and convolutions, as `torch.utils.flop_counter` counts them)"
-        + ("." if class_name in ("VecaModel", "VecaForImageClassification") else "; the VECA backbone only, not the head.")
+        + (
+            "."
+            if class_name in ("VecaModel", "VecaForImageClassification")
+            else "; the VECA backbone only, not the head."
+        )
     ]
     if budget_metrics:
         notes.append(f"Quality: {metrics_description or 'as measured when the folder was written'}.")
@@ -412,7 +418,7 @@ def write_model_card(
     budget = config.budgets[len(config.budgets) // 2 - 1] if len(config.budgets) > 1 else config.budgets[0]
     call = f"model(**inputs, num_core_tokens={budget})"
     if not has_veca_code:  # transformers' head: it takes neither a budget nor a pixel_mask; its VECA gets them
-        call = f'model(inputs["pixel_values"])  # at {budget} cores through veca_call_defaults'
+        call = 'model(inputs["pixel_values"])'
     if is_classifier:
         run = f"    logits = {call}.logits\nprint(model.config.id2label[logits.argmax(-1).item()])"
     elif pipeline_tag == "image-segmentation":
@@ -450,10 +456,11 @@ def write_model_card(
         f'model = {auto_class}.from_pretrained("{model_id}").eval()\n'
         f'processor = AutoImageProcessor.from_pretrained("{model_id}")\n'
         'inputs = processor(images=Image.open("photo.jpg"), return_tensors="pt")\n'
-        f"{context}\n{run}\n```\n\n"
-        + loading
+        f"{context}\n{run}\n```\n\n" + loading
     )
-    budget_setting = "model.config.default_num_core_tokens = choice.num_core_tokens  # the budget pipelines and Trainer use"
+    budget_setting = (
+        "model.config.default_num_core_tokens = choice.num_core_tokens  # the budget pipelines and Trainer use"
+    )
     if not has_veca_code:
         budget_setting = "veca_config(model).default_num_core_tokens = choice.num_core_tokens  # the head's budget"
     sections.append(
@@ -502,7 +509,9 @@ def write_finetuned_model_card(
     details = {
         "learning rate": args.learning_rate,
         "weight decay": args.weight_decay,
-        "batch size (all devices)": args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps,
+        "batch size (all devices)": args.per_device_train_batch_size
+        * args.world_size
+        * args.gradient_accumulation_steps,
         "optimiser steps": trainer.state.global_step,
         "training budget": training_budget,
         "seed": args.seed,

@@ -9,6 +9,7 @@
   `eval_budgets_from_args`, `evaluate_and_save_budgets` (`all_results.json` with `eval_C{C}_<metric>` keys).
 - `evaluate_budgets`: `trainer.evaluate` at several budgets, with metrics prefixed `eval_C{C}_`.
 - `veca_call_defaults`: a budget or a `pixel_mask` for the VECA inside any model, for one block of code.
+- `setup_logging`: the example scripts' logging.
 - `pick_budget`: measures the model at every budget on the current device and returns the largest budget whose
   median latency meets a target.
 
@@ -18,14 +19,16 @@
 
 import contextlib
 import inspect
+import logging as python_logging
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer
 from transformers.utils import logging
 
 from .configuration_veca import VecaConfig
@@ -34,7 +37,6 @@ from .modeling_veca import VecaModel
 
 
 logger = logging.get_logger(__name__)
-
 
 
 def find_veca_config(model: nn.Module) -> VecaConfig | None:
@@ -57,12 +59,18 @@ def veca_config(model: nn.Module) -> VecaConfig:
     return config
 
 
-def _forward_parameters(model: nn.Module) -> set[str] | None:
-    """The argument names `model.forward` takes; `None` if it takes any (`**kwargs`, e.g. a PEFT wrapper)."""
+def _takes_argument(model: nn.Module, name: str) -> bool:
+    """Whether `model.forward` takes `name` and hands it to its VECA.
+
+    NOTE: a `**kwargs` of a wrapper (PEFT, `torch.compile`) reaches the wrapped VECA model, but one of a transformers
+    model need not: UperNet and Depth Anything drop theirs, DPT hands them to its backbone. So a transformers model
+    takes only the arguments it names.
+    """
     parameters = inspect.signature(model.forward).parameters
-    if any(parameter.kind == inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
-        return None
-    return set(parameters)
+    if name in parameters:
+        return True
+    var_keyword = any(parameter.kind == inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    return var_keyword and not isinstance(model, PreTrainedModel)
 
 
 @contextlib.contextmanager
@@ -92,9 +100,11 @@ def veca_call_defaults(model: nn.Module, **defaults) -> Iterator[None]:
         yield
         return
 
+    positional = list(inspect.signature(VecaModel.forward).parameters)[1:]  # without `self`
+
     def fill_in(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name, value in defaults.items():
-            if kwargs.get(name) is None:
+            if name not in positional[: len(args)] and kwargs.get(name) is None:
                 kwargs[name] = value
         return args, kwargs
 
@@ -113,14 +123,13 @@ def veca_call_defaults(model: nn.Module, **defaults) -> Iterator[None]:
 def split_veca_inputs(model: nn.Module, inputs: dict, num_core_tokens: int | None) -> tuple[dict, dict]:
     """`(inputs for model.forward, arguments for its VECA through veca_call_defaults)`: the budget and `pixel_mask`
     go into the inputs where `model.forward` takes them, into the second dict where it does not."""
-    accepted = _forward_parameters(model)
     inputs, hooked = dict(inputs), {}
     if num_core_tokens is not None:
-        if accepted is None or "num_core_tokens" in accepted:
+        if _takes_argument(model, "num_core_tokens"):
             inputs["num_core_tokens"] = num_core_tokens
         else:
             hooked["num_core_tokens"] = num_core_tokens
-    if "pixel_mask" in inputs and accepted is not None and "pixel_mask" not in accepted:
+    if "pixel_mask" in inputs and not _takes_argument(model, "pixel_mask"):
         hooked["pixel_mask"] = inputs.pop("pixel_mask")
     return inputs, hooked
 
@@ -188,7 +197,7 @@ class VecaTrainer(Trainer):
         self.num_core_tokens = num_core_tokens
         self.budget_sampler = budget_sampler
         self.eval_num_core_tokens = eval_num_core_tokens
-        config = find_veca_config(self.model)
+        config = find_veca_config(self.model) if self.model is not None else None
         if config is not None:  # fail now rather than at the first sampled step
             for name, budget in (("num_core_tokens", num_core_tokens), ("eval_num_core_tokens", eval_num_core_tokens)):
                 if budget is not None:
@@ -270,7 +279,6 @@ def evaluate_budgets(
     return results
 
 
-
 @dataclass
 class BudgetArguments:
     """How many cores (the budget C) to train and evaluate with: the flags every fine-tuning script shares."""
@@ -346,6 +354,22 @@ def evaluate_and_save_budgets(trainer: Trainer, budgets: Sequence[int], eval_dat
     trainer.log_metrics("eval", metrics)
     trainer.save_metrics("eval", metrics)  # eval_results.json, merged into all_results.json
     return metrics
+
+
+def setup_logging(training_args, logger: python_logging.Logger) -> None:
+    """The logging of the example scripts, as transformers' examples set it up: stdout, the process's log level for
+    the script, transformers and datasets (warnings only on processes other than the main one)."""
+    python_logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[python_logging.StreamHandler(sys.stdout)],
+    )
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    logging.set_verbosity(log_level)
+    import datasets  # only the scripts need it
+
+    datasets.utils.logging.set_verbosity(log_level)
 
 
 @dataclass
@@ -512,6 +536,7 @@ __all__ = [
     "find_veca_config",
     "parse_number_list",
     "pick_budget",
+    "setup_logging",
     "split_veca_inputs",
     "training_budget_description",
     "veca_call_defaults",

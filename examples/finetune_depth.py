@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Fine-tune a VECA model for monocular depth estimation with `Trainer`, and evaluate its RMSE at several budgets.
+
+The shape of transformers' example scripts (`run_semantic_segmentation.py`), for depth:
+
+```bash
+python examples/finetune_depth.py \
+    --model_name_or_path path/to/veca-b16 --head depth_anything --max_depth 10 \
+    --dataset_name <a Hub copy of NYUv2 with image and depth columns> --depth_column depth --depth_scale 1000 \
+    --output_dir outputs/veca-b16-nyu --do_train --do_eval \
+    --sample_budgets --eval_budgets 8,16,32,64 --shortest_edge 480 \
+    --learning_rate 5e-5 --weight_decay 0.01 --num_train_epochs 25 --per_device_train_batch_size 8
+```
+
+Heads: `--head linear` ([`VecaForDepthEstimation`]: a linear layer on every patch token and the global core, loaded
+with `AutoModelForDepthEstimation`; a new head starts at the mean training depth), `--head dpt`
+(`DPTForDepthEstimation`) or `--head depth_anything` (`DepthAnythingForDepthEstimation`, metric depth up to
+`--max_depth`), the last two transformers' own with the VECA as their backbone. All train on the squared error over
+the pixels with a depth (`modeling_veca_dense.VecaForDepthEstimation` says why not SiLog). `--freeze_backbone` trains
+the head alone.
+
+Data: `--dataset_name` is a Hub id, a local folder `datasets.load_dataset` reads (Parquet files named by split) or one
+Parquet file, with an image column (`--image_column`) and a depth column (`--depth_column`): float maps (arrays or
+mode `F` images) or 16-bit PNGs, each of its image's size; stored values are divided by `--depth_scale` (1000 for
+millimetres, 256 for KITTI), and 0 or NaN marks pixels without ground truth. Images keep their aspect ratio (short
+side `--shortest_edge`) and batches are padded with a `pixel_mask`; padded pixels count neither in the loss nor in
+the metrics.
+
+Budget flags as in `finetune_classification.py`; `all_results.json` holds `eval_C{C}_rmse`, `eval_C{C}_abs_rel`,
+`eval_C{C}_delta1` and `eval_C{C}_loss` per budget of `--eval_budgets`. See docs/dense_tasks.md.
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+import transformers
+from transformers import HfArgumentParser, TrainingArguments
+
+import veca_hf  # noqa: F401  (registers VECA with the Auto classes)
+from veca_hf.arguments import parse_args_with_file
+from veca_hf.dense import (
+    DEPTH_HEADS,
+    DenseCollator,
+    DenseTransform,
+    DepthMetrics,
+    build_dense_processor,
+    build_depth_model,
+    check_columns,
+    depth_loss_from_outputs,
+    freeze_backbone,
+    load_dense_dataset,
+    mean_depth,
+    prepare_splits,
+)
+from veca_hf.model_card import write_finetuned_model_card
+from veca_hf.training import (
+    BudgetArguments,
+    VecaTrainer,
+    budget_sampler_from_args,
+    eval_budgets_from_args,
+    evaluate_and_save_budgets,
+    parse_number_list,
+    setup_logging,
+    training_budget_description,
+)
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    """Which model to fine-tune, and its head."""
+
+    model_name_or_path: str = field(metadata={"help": "A VECA folder or Hub id (VecaModel, or a saved head)."})
+    head: str = field(default="linear", metadata={"help": "linear, dpt or depth_anything.", "choices": DEPTH_HEADS})
+    freeze_backbone: bool = field(default=False, metadata={"help": "Train the head only."})
+    backbone_out_indices: str | None = field(
+        default=None, metadata={"help": "The necks' VECA stages, e.g. '3,6,9,12' (default: four, evenly spread)."}
+    )
+    head_hidden_size: int | None = field(
+        default=None, metadata={"help": "DPT / Depth Anything neck and fusion width (default: transformers')."}
+    )
+    max_depth: int = field(default=10, metadata={"help": "Depth Anything's largest depth (10 NYUv2, 80 KITTI)."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub downloads."})
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a Hub model."})
+
+
+@dataclass
+class DataTrainingArguments:
+    """Which data to train and evaluate on."""
+
+    dataset_name: str = field(metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
+    image_column: str = field(default="image", metadata={"help": "The column holding the images."})
+    depth_column: str = field(default="depth", metadata={"help": "The column holding the depth maps."})
+    depth_scale: float = field(
+        default=1.0, metadata={"help": "Stored depth / depth_scale = depth: 1000 for 16-bit PNGs in millimetres."}
+    )
+    shortest_edge: int = field(default=480, metadata={"help": "Images are resized to about this short side."})
+    longest_edge: int | None = field(default=None, metadata={"help": "Bound the long side too."})
+    train_val_split: float = field(
+        default=0.15, metadata={"help": "Fraction of train held out for validation when there is no validation split."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training images."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many validation images."})
+
+
+def main():
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
+    model_args, data_args, budget_args, training_args = parse_args_with_file(parser)
+    # NOTE: with `with_transform` the image columns must reach the transform; Trainer would drop them otherwise.
+    training_args.remove_unused_columns = False
+    # NOTE: the metric keeps only each batch's valid pixels (not every depth map of the validation set).
+    training_args.batch_eval_metrics = True
+    setup_logging(training_args, logger)
+    logger.info(f"Training/evaluation parameters {training_args}")
+    transformers.set_seed(training_args.seed)
+
+    dataset = load_dense_dataset(data_args.dataset_name, data_args.dataset_config_name, model_args.cache_dir)
+    check_columns(dataset, {"--image_column": data_args.image_column, "--depth_column": data_args.depth_column})
+    train, validation = prepare_splits(
+        dataset,
+        training_args.do_train,
+        training_args.do_eval,
+        data_args.train_val_split,
+        data_args.max_train_samples,
+        data_args.max_eval_samples,
+        seed=training_args.seed,
+    )
+
+    hub = {"cache_dir": model_args.cache_dir, "revision": model_args.model_revision}
+    model = build_depth_model(
+        model_args.model_name_or_path,
+        model_args.head,
+        num_core_tokens=budget_args.num_core_tokens,
+        out_indices=parse_number_list(model_args.backbone_out_indices),
+        head_hidden_size=model_args.head_hidden_size,
+        max_depth=model_args.max_depth,
+        initial_depth=mean_depth(train, data_args.depth_column, data_args.depth_scale)
+        if train is not None and model_args.head == "linear"
+        else None,
+        **hub,
+    )
+    if model_args.freeze_backbone:
+        freeze_backbone(model)
+    image_processor = build_dense_processor(
+        model_args.model_name_or_path, data_args.shortest_edge, data_args.longest_edge, **hub
+    )
+
+    def transform(split: str, train_mode: bool) -> DenseTransform:
+        return DenseTransform(
+            image_processor,
+            "depth",
+            data_args.image_column,
+            data_args.depth_column,
+            depth_scale=data_args.depth_scale,
+            train=train_mode,
+            split=split,
+        )
+
+    metrics = DepthMetrics()
+    budget_sampler = budget_sampler_from_args(budget_args, model, seed=training_args.seed)
+    trainer = VecaTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train.with_transform(transform("train", True)) if train is not None else None,
+        eval_dataset=validation.with_transform(transform("validation", False)) if validation is not None else None,
+        compute_metrics=metrics,
+        preprocess_logits_for_metrics=metrics.preprocess_logits,
+        processing_class=image_processor,
+        data_collator=DenseCollator(label_pad_value=0.0),  # 0: no ground truth
+        num_core_tokens=budget_args.num_core_tokens,
+        budget_sampler=budget_sampler,
+        # transformers' DPT and Depth Anything raise on `labels`: the loss is computed here instead
+        compute_loss_func=None if model_args.head == "linear" else depth_loss_from_outputs,
+    )
+    if model_args.head != "linear":
+        trainer.loss_is_scaled_for_ga = False  # a per-batch mean: Trainer divides it by the accumulation steps
+
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model()  # model (default budget) + the any-size image processor
+        trainer.log_metrics("train", train_result.metrics)
+        trainer.save_metrics("train", train_result.metrics)
+        trainer.save_state()
+
+    eval_metrics = None
+    if training_args.do_eval:  # eval_results.json (merged into all_results.json): eval_C{C}_rmse, ...
+        eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets_from_args(budget_args, model))
+
+    if training_args.push_to_hub:
+        trainer.push_to_hub(
+            finetuned_from=model_args.model_name_or_path, tasks="depth-estimation", dataset=data_args.dataset_name
+        )
+    write_finetuned_model_card(
+        trainer,
+        base_model=model_args.model_name_or_path,
+        datasets=data_args.dataset_name,
+        training_budget=training_budget_description(budget_args, budget_sampler, model),
+        eval_metrics=eval_metrics,
+        metrics_description="RMSE, absolute relative error and delta < 1.25 over the validation pixels with a depth "
+        f"(at the training resolution, short side {data_args.shortest_edge}), and the squared-error loss",
+        description=f"Fine-tuned for depth estimation ({model_args.head} head) from "
+        f"`{model_args.model_name_or_path}` with `examples/finetune_depth.py`.",
+    )
+
+
+if __name__ == "__main__":
+    main()

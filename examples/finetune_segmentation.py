@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Fine-tune a VECA model for semantic segmentation with `Trainer`, and evaluate its mean IoU at several budgets.
+
+The shape of transformers' `examples/pytorch/semantic-segmentation/run_semantic_segmentation.py`, plus the budget
+and images of any size:
+
+```bash
+python examples/finetune_segmentation.py \
+    --model_name_or_path path/to/veca-b16 --head linear \
+    --dataset_name scene_parse_150 --label_column annotation --reduce_labels \
+    --output_dir outputs/veca-b16-ade20k --do_train --do_eval \
+    --sample_budgets --eval_budgets 8,16,32,64 --shortest_edge 512 \
+    --learning_rate 1e-4 --weight_decay 0.05 --num_train_epochs 20 --per_device_train_batch_size 16
+```
+
+Heads: `--head linear` ([`VecaForSemanticSegmentation`]: a linear layer on every patch token and the global core,
+saved so that `AutoModelForSemanticSegmentation` loads it) or `--head upernet` (transformers'
+`UperNetForSemanticSegmentation` with the VECA as its backbone). `--freeze_backbone` trains the head alone.
+
+Data: `--dataset_name` is a Hub id, a local folder `datasets.load_dataset` reads (Parquet files named by split) or
+one Parquet file, with an image column (`--image_column`) and a label-map column (`--label_column`: single-channel
+images or arrays of class indices, each of its image's size; `--ignore_index`, 255, marks unlabelled pixels).
+`--reduce_labels` makes label 0 the ignored background (ADE20K). Class names come from `--id2label_file`, else
+`id2label.json` in the dataset, else the labels found in the training maps. Every image keeps its aspect ratio
+(short side `--shortest_edge`, sides multiples of the patch size) and batches are padded with a `pixel_mask`, so
+padded pixels count neither in the loss nor in the metric.
+
+Budget: `--num_core_tokens C` trains at C and saves it as the default budget; `--sample_budgets` draws one budget per
+optimiser step from `--budgets` with `--budget_weights`. Each of `--eval_budgets` is evaluated after training:
+`all_results.json` holds `eval_C{C}_mean_iou`, `eval_C{C}_mean_accuracy`, `eval_C{C}_overall_accuracy` and
+`eval_C{C}_loss` per budget. Any `TrainingArguments` flag works, and arguments can come from a JSON / YAML file.
+See docs/dense_tasks.md.
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+import transformers
+from transformers import HfArgumentParser, TrainingArguments
+
+import veca_hf  # noqa: F401  (registers VECA with the Auto classes)
+from veca_hf.arguments import parse_args_with_file
+from veca_hf.dense import (
+    SEGMENTATION_HEADS,
+    DenseCollator,
+    DenseTransform,
+    SegmentationMetrics,
+    build_dense_processor,
+    build_segmentation_model,
+    check_columns,
+    freeze_backbone,
+    load_dense_dataset,
+    prepare_splits,
+    resolve_id2label,
+)
+from veca_hf.model_card import write_finetuned_model_card
+from veca_hf.training import (
+    BudgetArguments,
+    VecaTrainer,
+    budget_sampler_from_args,
+    eval_budgets_from_args,
+    evaluate_and_save_budgets,
+    parse_number_list,
+    setup_logging,
+    training_budget_description,
+)
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    """Which model to fine-tune, and its head."""
+
+    model_name_or_path: str = field(metadata={"help": "A VECA folder or Hub id (VecaModel, or a saved head)."})
+    head: str = field(default="linear", metadata={"help": "linear or upernet.", "choices": SEGMENTATION_HEADS})
+    freeze_backbone: bool = field(default=False, metadata={"help": "Train the head only."})
+    backbone_out_indices: str | None = field(
+        default=None, metadata={"help": "UperNet's VECA stages, e.g. '3,6,9,12' (default: four, evenly spread)."}
+    )
+    head_hidden_size: int | None = field(default=None, metadata={"help": "UperNet's hidden_size (default 512)."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub downloads."})
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a Hub model."})
+
+
+@dataclass
+class DataTrainingArguments:
+    """Which data to train and evaluate on."""
+
+    dataset_name: str = field(metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
+    image_column: str = field(default="image", metadata={"help": "The column holding the images."})
+    label_column: str = field(default="label", metadata={"help": "The column holding the label maps."})
+    id2label_file: str | None = field(default=None, metadata={"help": "A JSON file {'0': 'wall', ...}."})
+    reduce_labels: bool = field(default=False, metadata={"help": "Label 0 is background (ignored); k -> k - 1."})
+    ignore_index: int = field(default=255, metadata={"help": "The label of unlabelled pixels."})
+    shortest_edge: int = field(default=512, metadata={"help": "Images are resized to about this short side."})
+    longest_edge: int | None = field(default=None, metadata={"help": "Bound the long side too."})
+    train_val_split: float = field(
+        default=0.15, metadata={"help": "Fraction of train held out for validation when there is no validation split."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training images."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many validation images."})
+
+
+def main():
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
+    model_args, data_args, budget_args, training_args = parse_args_with_file(parser)
+    # NOTE: with `with_transform` the image columns must reach the transform; Trainer would drop them otherwise.
+    training_args.remove_unused_columns = False
+    # NOTE: the metric keeps only each batch's labelled pixels (not every logit map of the validation set).
+    training_args.batch_eval_metrics = True
+    setup_logging(training_args, logger)
+    logger.info(f"Training/evaluation parameters {training_args}")
+    transformers.set_seed(training_args.seed)
+
+    dataset = load_dense_dataset(data_args.dataset_name, data_args.dataset_config_name, model_args.cache_dir)
+    check_columns(dataset, {"--image_column": data_args.image_column, "--label_column": data_args.label_column})
+    train, validation = prepare_splits(
+        dataset,
+        training_args.do_train,
+        training_args.do_eval,
+        data_args.train_val_split,
+        data_args.max_train_samples,
+        data_args.max_eval_samples,
+        seed=training_args.seed,
+    )
+    label_options = {"reduce_labels": data_args.reduce_labels, "ignore_index": data_args.ignore_index}
+    id2label = resolve_id2label(
+        data_args.id2label_file, data_args.dataset_name, train, data_args.label_column, **label_options
+    )
+    logger.info(f"{len(id2label)} classes: {id2label}")
+
+    hub = {"cache_dir": model_args.cache_dir, "revision": model_args.model_revision}
+    model = build_segmentation_model(
+        model_args.model_name_or_path,
+        model_args.head,
+        id2label,
+        ignore_index=data_args.ignore_index,
+        num_core_tokens=budget_args.num_core_tokens,
+        out_indices=parse_number_list(model_args.backbone_out_indices),
+        head_hidden_size=model_args.head_hidden_size,
+        **hub,
+    )
+    if model_args.freeze_backbone:
+        freeze_backbone(model)
+    image_processor = build_dense_processor(
+        model_args.model_name_or_path, data_args.shortest_edge, data_args.longest_edge, **hub
+    )
+
+    def transform(split: str, train_mode: bool) -> DenseTransform:
+        return DenseTransform(
+            image_processor,
+            "segmentation",
+            data_args.image_column,
+            data_args.label_column,
+            num_labels=len(id2label),
+            train=train_mode,
+            split=split,
+            **label_options,
+        )
+
+    metrics = SegmentationMetrics(len(id2label), data_args.ignore_index)
+    budget_sampler = budget_sampler_from_args(budget_args, model, seed=training_args.seed)
+    trainer = VecaTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train.with_transform(transform("train", True)) if train is not None else None,
+        eval_dataset=validation.with_transform(transform("validation", False)) if validation is not None else None,
+        compute_metrics=metrics,
+        preprocess_logits_for_metrics=metrics.preprocess_logits,
+        processing_class=image_processor,
+        data_collator=DenseCollator(label_pad_value=data_args.ignore_index),
+        num_core_tokens=budget_args.num_core_tokens,
+        budget_sampler=budget_sampler,
+    )
+
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model()  # model (label maps, default budget) + the any-size image processor
+        trainer.log_metrics("train", train_result.metrics)
+        trainer.save_metrics("train", train_result.metrics)
+        trainer.save_state()
+
+    eval_metrics = None
+    if training_args.do_eval:  # eval_results.json (merged into all_results.json): eval_C{C}_mean_iou, ...
+        eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets_from_args(budget_args, model))
+
+    if training_args.push_to_hub:
+        trainer.push_to_hub(
+            finetuned_from=model_args.model_name_or_path, tasks="image-segmentation", dataset=data_args.dataset_name
+        )
+    write_finetuned_model_card(
+        trainer,
+        base_model=model_args.model_name_or_path,
+        datasets=data_args.dataset_name,
+        training_budget=training_budget_description(budget_args, budget_sampler, model),
+        eval_metrics=eval_metrics,
+        metrics_description="mean IoU, mean class accuracy and pixel accuracy on the validation split (labelled "
+        f"pixels at the training resolution, short side {data_args.shortest_edge}), and the cross-entropy loss",
+        description=f"Fine-tuned for semantic segmentation ({model_args.head} head) from "
+        f"`{model_args.model_name_or_path}` with `examples/finetune_segmentation.py`.",
+    )
+
+
+if __name__ == "__main__":
+    main()

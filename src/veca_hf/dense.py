@@ -1,0 +1,767 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""Fine-tuning VECA for dense tasks (semantic segmentation, depth) with `Trainer`: everything the example scripts
+`examples/finetune_segmentation.py` and `examples/finetune_depth.py` share, so that they stay thin.
+
+- Data: `load_dense_dataset` (a Hub id, a local folder or a Parquet file), `check_columns`, `prepare_splits`,
+  `resolve_id2label`, `mean_depth`; `DenseTransform` turns an image and its label map (or depth map) into tensors of
+  one size, checked sample by sample; `DenseCollator` pads a batch of different sizes and returns `pixel_mask`, the
+  label maps padded with the ignore index (segmentation) or 0 (depth, "no ground truth").
+- Models: `build_segmentation_model` (`"linear"`: [`VecaForSemanticSegmentation`]; `"upernet"`: transformers'
+  `UperNetForSemanticSegmentation` with a VECA backbone) and `build_depth_model` (`"linear"`:
+  [`VecaForDepthEstimation`]; `"dpt"`, `"depth_anything"`: transformers' heads), all from one VECA folder;
+  `freeze_backbone`.
+- Losses and metrics: `depth_loss_from_outputs` (for transformers' depth heads, which raise on `labels`),
+  `SegmentationMetrics` (the `mean_iou` module) and `DepthMetrics` (the `depth` module), both through
+  `veca_hf.metrics.compute_metric`, per batch or all at once.
+
+Tensors: pixel values `(B, 3, H, W)`, `pixel_mask` `(B, H, W)` (1 = image, 0 = padding), label maps `(B, H, W)`
+(int64 class indices, or float32 depths with 0 = no ground truth).
+"""
+
+import io
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForDepthEstimation,
+    AutoModelForSemanticSegmentation,
+    DepthAnythingConfig,
+    DepthAnythingForDepthEstimation,
+    DPTConfig,
+    DPTForDepthEstimation,
+    EvalPrediction,
+    PreTrainedModel,
+    UperNetConfig,
+    UperNetForSemanticSegmentation,
+)
+from transformers.utils import is_torchvision_available, logging
+
+from .configuration_veca import VecaConfig
+from .image_processing_pil_veca import VecaImageProcessorPil
+from .image_processing_veca import VecaImageProcessor
+from .metrics import compute_metric
+from .modeling_veca import VecaBackbone, VecaModel
+
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "DEPTH_HEADS",
+    "SAMPLE_INDEX_COLUMN",
+    "SEGMENTATION_HEADS",
+    "DenseCollator",
+    "DenseTransform",
+    "DepthMetrics",
+    "SegmentationMetrics",
+    "build_dense_processor",
+    "build_depth_model",
+    "build_segmentation_model",
+    "check_columns",
+    "default_out_indices",
+    "depth_loss_from_outputs",
+    "freeze_backbone",
+    "load_dense_dataset",
+    "mean_depth",
+    "prepare_splits",
+    "resolve_id2label",
+    "with_sample_index",
+]
+
+SEGMENTATION_HEADS = ("linear", "upernet")
+DEPTH_HEADS = ("linear", "dpt", "depth_anything")
+# A column holding each row's position in its split, so that errors raised at batch time can name the sample.
+SAMPLE_INDEX_COLUMN = "__sample_index__"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_dense_dataset(name: str, config_name: str | None = None, cache_dir: str | None = None):
+    """`datasets.DatasetDict` of a Hub id, a local folder `load_dataset` reads (Parquet files named by split, an
+    image folder with metadata), or one `.parquet` file (its `"train"` split)."""
+    from datasets import load_dataset
+
+    if name.endswith(".parquet") and Path(name).is_file():
+        return load_dataset("parquet", data_files={"train": name}, cache_dir=cache_dir)
+    return load_dataset(name, config_name, cache_dir=cache_dir)
+
+
+def check_columns(dataset, columns: Mapping[str, str]) -> None:
+    """A `ValueError` naming the flag and the column if a split of `dataset` (a `DatasetDict`) lacks a column.
+
+    Args:
+        dataset (`datasets.DatasetDict`): the splits to check.
+        columns (`Mapping[str, str]`): flag -> column, e.g. `{"--image_column": "image"}`.
+    """
+    for split, table in dataset.items():
+        for flag, column in columns.items():
+            if column not in table.column_names:
+                raise ValueError(
+                    f"Column {column!r} ({flag}) not found in the {split!r} split, whose columns are "
+                    f"{table.column_names}: set {flag} to the column holding it."
+                )
+
+
+def with_sample_index(dataset):
+    """`dataset` (a `Dataset`) with `SAMPLE_INDEX_COLUMN`, each row's index, which `DenseTransform` names in errors."""
+    if SAMPLE_INDEX_COLUMN in dataset.column_names:
+        return dataset
+    return dataset.add_column(SAMPLE_INDEX_COLUMN, list(range(len(dataset))))
+
+
+def _to_pil(value: Any) -> PIL.Image.Image:
+    """A PIL image from what a dataset column holds: an image, `{"bytes", "path"}`, a path, or an array."""
+    if isinstance(value, PIL.Image.Image):
+        return value
+    if isinstance(value, Mapping) and (value.get("bytes") or value.get("path")):
+        return PIL.Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
+    if isinstance(value, (str, os.PathLike)):
+        return PIL.Image.open(value)
+    return PIL.Image.fromarray(np.asarray(value))
+
+
+def _to_map(value: Any) -> np.ndarray:
+    """A `(H, W)` array from a label or depth map: an image (mode `L`, `P`, `I`, `I;16`, `F`), a nested list or an
+    array; `(1, H, W)` and `(H, W, 1)` are squeezed."""
+    if isinstance(value, (PIL.Image.Image, Mapping, str, os.PathLike)):
+        image = _to_pil(value)
+        if len(image.getbands()) != 1:
+            raise ValueError(f"has {len(image.getbands())} channels (mode {image.mode}); a map needs one")
+        value = np.asarray(image)
+    array = np.asarray(value)
+    if array.ndim == 3 and 1 in (array.shape[0], array.shape[-1]):
+        array = array.squeeze(0 if array.shape[0] == 1 else -1)
+    if array.ndim != 2:
+        raise ValueError(f"has shape {array.shape}; a map needs (height, width)")
+    return array
+
+
+def _reduce_labels(labels: np.ndarray, ignore_index: int) -> np.ndarray:
+    """Label 0 (background) becomes the ignore index, every other label `k` becomes `k - 1`; the ignore index stays
+    (transformers' `do_reduce_labels`)."""
+    return np.where((labels == 0) | (labels == ignore_index), ignore_index, labels - 1)
+
+
+class DenseTransform:
+    """
+    Per-example preprocessing for `datasets.Dataset.with_transform`: each image through the image processor (resized
+    to its own size, a multiple of the patch size, not padded), its map checked and resized to the same size by
+    nearest neighbour (class indices and depths are never blended), and in training a random horizontal flip of both.
+
+    Args:
+        image_processor (`VecaImageProcessor` or `VecaImageProcessorPil`):
+            Usually `VecaImageProcessor.for_any_size(...)` (`build_dense_processor`).
+        task (`str`):
+            `"segmentation"` (the map holds class indices) or `"depth"` (depths; 0 or NaN = no ground truth).
+        image_column, target_column (`str`):
+            The columns of the images and of their maps.
+        num_labels (`int`, *optional*):
+            Segmentation: every label must be in `[0, num_labels)` or the ignore index.
+        ignore_index (`int`, *optional*, defaults to 255):
+            Segmentation: the label of pixels without a class.
+        reduce_labels (`bool`, *optional*, defaults to `False`):
+            Segmentation: label 0 is background (ignored) and every other label `k` becomes `k - 1` (ADE20K's
+            layout), as transformers' `do_reduce_labels`.
+        depth_scale (`float`, *optional*, defaults to 1.0):
+            Depth: stored values are divided by it (1000 for 16-bit PNGs in millimetres, 256 for KITTI's).
+        train (`bool`, *optional*, defaults to `False`):
+            Flip image and map together with probability 0.5.
+        split (`str`, *optional*, defaults to `"train"`):
+            Named in error messages.
+
+    Raises (when a batch is read):
+        `ValueError` naming the sample (its index in the split, from `SAMPLE_INDEX_COLUMN` when present) and the
+        column: a map whose size differs from its image's, a map that is not single-channel, a label outside
+        `[0, num_labels)` other than the ignore index, a depth map without any valid pixel or with negative depths.
+    """
+
+    def __init__(
+        self,
+        image_processor,
+        task: str,
+        image_column: str,
+        target_column: str,
+        num_labels: int | None = None,
+        ignore_index: int = 255,
+        reduce_labels: bool = False,
+        depth_scale: float = 1.0,
+        train: bool = False,
+        split: str = "train",
+    ):
+        if task not in ("segmentation", "depth"):
+            raise ValueError(f"task must be 'segmentation' or 'depth', got {task!r}.")
+        if task == "segmentation" and not (num_labels and num_labels > 0):
+            raise ValueError(f"Segmentation needs num_labels >= 1, got {num_labels!r}.")
+        if not (math.isfinite(depth_scale) and depth_scale > 0):
+            raise ValueError(f"depth_scale must be a positive number, got {depth_scale!r}.")
+        self.image_processor = image_processor
+        self.task = task
+        self.image_column, self.target_column = image_column, target_column
+        self.num_labels, self.ignore_index, self.reduce_labels = num_labels, ignore_index, reduce_labels
+        self.depth_scale = depth_scale
+        self.train = train
+        self.split = split
+
+    def _sample(self, index: int | None, position: int) -> str:
+        return f"sample {index if index is not None else position} of the {self.split!r} split"
+
+    def check_target(self, target: Any, image_size: tuple[int, int], sample: str) -> np.ndarray:
+        """The checked map of one sample: int64 class indices (labels reduced if asked) or float32 depths."""
+        column = f"column {self.target_column!r}"
+        try:
+            array = _to_map(target)
+        except (ValueError, TypeError, OSError) as error:
+            raise ValueError(f"The map of {sample} ({column}) {error}.") from None
+        if array.shape != image_size:
+            raise ValueError(
+                f"The map of {sample} ({column}) is {array.shape[0]}x{array.shape[1]} (height x width) but its image "
+                f"is {image_size[0]}x{image_size[1]}: each map must have its image's size."
+            )
+        if self.task == "depth":
+            depth = array.astype(np.float32) / np.float32(self.depth_scale)
+            if np.any(depth < 0):
+                raise ValueError(
+                    f"The depth map of {sample} ({column}) holds negative depths (min {np.nanmin(depth)})."
+                )
+            valid = np.isfinite(depth) & (depth > 0)
+            if not valid.any():
+                raise ValueError(
+                    f"The depth map of {sample} ({column}) has no valid pixel (all 0 or NaN): drop the sample, or "
+                    "check the column and --depth_scale."
+                )
+            return np.where(valid, depth, 0.0).astype(np.float32)
+        if np.issubdtype(array.dtype, np.floating) and not np.all(array == np.round(array)):
+            raise ValueError(f"The label map of {sample} ({column}) holds non-integer labels.")
+        labels = array.astype(np.int64)
+        if self.reduce_labels:
+            labels = _reduce_labels(labels, self.ignore_index)
+        invalid = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.num_labels))
+        if invalid.any():
+            raise ValueError(
+                f"The label map of {sample} ({column}) holds labels {np.unique(labels[invalid]).tolist()[:10]} "
+                f"outside [0, {self.num_labels}) (num_labels={self.num_labels}, ignore index {self.ignore_index}"
+                f"{', after --reduce_labels' if self.reduce_labels else ''}): check id2label, --reduce_labels and "
+                "--ignore_index."
+            )
+        return labels
+
+    def __call__(self, batch: dict) -> dict:
+        images, targets = batch[self.image_column], batch[self.target_column]
+        indices = batch.get(SAMPLE_INDEX_COLUMN, [None] * len(images))
+        pixel_values, labels = [], []
+        for position, (image, target, index) in enumerate(zip(images, targets, indices, strict=True)):
+            sample = self._sample(index, position)
+            image = _to_pil(image).convert("RGB")
+            target = self.check_target(target, (image.height, image.width), sample)
+            processed = self.image_processor(image, do_pad=False, return_tensors="pt")["pixel_values"][0]  # (3, h, w)
+            height, width = processed.shape[-2:]
+            dtype = np.float32 if self.task == "depth" else np.int32  # PIL modes F and I: nearest keeps values
+            resized = PIL.Image.fromarray(target.astype(dtype)).resize((width, height), PIL.Image.Resampling.NEAREST)
+            target = torch.from_numpy(np.asarray(resized).astype(np.float32 if self.task == "depth" else np.int64))
+            if self.train and torch.rand(()) < 0.5:
+                processed, target = processed.flip(-1), target.flip(-1)
+            pixel_values.append(processed)
+            labels.append(target)
+        return {"pixel_values": pixel_values, "labels": labels}
+
+
+class DenseCollator:
+    """
+    Pads a batch of images of different sizes (each a multiple of the patch size) bottom and right to the largest,
+    as `VecaImageProcessor(do_pad=True)` does, and returns `pixel_values` `(B, 3, H, W)` (0 in the padding),
+    `pixel_mask` `(B, H, W)` (1 = image) and `labels` `(B, H, W)` padded with `label_pad_value`.
+
+    Args:
+        label_pad_value (`int` or `float`):
+            The ignore index for segmentation (255), 0 ("no ground truth") for depth: the loss and the metrics skip
+            padded pixels either way.
+    """
+
+    def __init__(self, label_pad_value: float):
+        self.label_pad_value = label_pad_value
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        height = max(example["pixel_values"].shape[-2] for example in examples)
+        width = max(example["pixel_values"].shape[-1] for example in examples)
+        first = examples[0]
+        pixel_values = first["pixel_values"].new_zeros(len(examples), first["pixel_values"].shape[0], height, width)
+        pixel_mask = torch.zeros(len(examples), height, width, dtype=torch.long)
+        labels = None
+        if "labels" in first:
+            labels = torch.full((len(examples), height, width), self.label_pad_value, dtype=first["labels"].dtype)
+        for index, example in enumerate(examples):
+            h, w = example["pixel_values"].shape[-2:]
+            pixel_values[index, :, :h, :w] = example["pixel_values"]
+            pixel_mask[index, :h, :w] = 1
+            if labels is not None:
+                labels[index, :h, :w] = example["labels"]
+        batch = {"pixel_values": pixel_values, "pixel_mask": pixel_mask}
+        if labels is not None:
+            batch["labels"] = labels
+        return batch
+
+
+def resolve_id2label(
+    id2label_file: str | None,
+    dataset_name: str | None,
+    train_dataset=None,
+    label_column: str = "label",
+    reduce_labels: bool = False,
+    ignore_index: int = 255,
+) -> dict[int, str]:
+    """
+    The class names: `--id2label_file` (a JSON object `{"0": "wall", ...}`), else `id2label.json` in the dataset's
+    local folder or Hub repository, else found in the data: every label the training maps hold (after
+    `reduce_labels`, without `ignore_index`), named by its index.
+
+    Args:
+        id2label_file (`str`, *optional*): a local JSON file.
+        dataset_name (`str`, *optional*): `--dataset_name`, looked into for `id2label.json`.
+        train_dataset (`datasets.Dataset`, *optional*): scanned when no file is found.
+        label_column, reduce_labels, ignore_index: how its label maps are read (see `DenseTransform`).
+    """
+    path = id2label_file
+    if path is None and dataset_name:
+        local = Path(dataset_name)
+        if local.exists():
+            candidate = (local if local.is_dir() else local.parent) / "id2label.json"
+            path = str(candidate) if candidate.is_file() else None
+        else:
+            try:
+                from huggingface_hub import hf_hub_download
+
+                path = hf_hub_download(dataset_name, "id2label.json", repo_type="dataset")
+            except Exception as error:  # offline, or no such file: fall back to the data
+                logger.info(f"No id2label.json for {dataset_name} ({type(error).__name__}); reading the labels.")
+    if path is not None:
+        with open(path) as handle:
+            return {int(key): str(value) for key, value in json.load(handle).items()}
+    if train_dataset is None:
+        raise ValueError("No class names: pass --id2label_file (a JSON object {'0': 'name', ...}).")
+    logger.warning(
+        f"No id2label file: reading all {len(train_dataset)} training label maps for their labels (slow for large "
+        "sets; pass --id2label_file)."
+    )
+    labels = set()
+    for row in train_dataset.select_columns([label_column]):
+        array = _to_map(row[label_column]).astype(np.int64)
+        if reduce_labels:
+            array = _reduce_labels(array, ignore_index)
+        labels.update(np.unique(array[array != ignore_index]).tolist())
+    if not labels or min(labels) < 0:
+        raise ValueError(
+            f"Cannot take class names from the data (labels {sorted(labels)[:10]}): pass --id2label_file."
+        )
+    return {index: str(index) for index in range(max(labels) + 1)}
+
+
+def prepare_splits(
+    dataset,
+    do_train: bool,
+    do_eval: bool,
+    train_val_split: float = 0.15,
+    max_train_samples: int | None = None,
+    max_eval_samples: int | None = None,
+    seed: int = 0,
+) -> tuple[Any, Any]:
+    """
+    `(train, validation)` of a `DatasetDict` (`None` where not asked for), each with `SAMPLE_INDEX_COLUMN`.
+
+    The validation split is `"validation"`, else a `train_val_split` fraction held out of `"train"` (seeded);
+    `max_*_samples` keep a seeded random subset.
+
+    Raises:
+        `ValueError`: for `do_eval` without a validation split and `train_val_split == 0`, or `do_train` without a
+        `"train"` split.
+    """
+    if "validation" not in dataset and "train" in dataset and do_eval and train_val_split > 0:
+        split = dataset["train"].train_test_split(train_val_split, seed=seed)
+        dataset = {**dataset, "train": split["train"], "validation": split["test"]}
+    train = validation = None
+    if do_train:
+        if "train" not in dataset:
+            raise ValueError(f"--do_train needs a 'train' split; the dataset has {list(dataset)}.")
+        train = dataset["train"]
+        if max_train_samples is not None:
+            train = train.shuffle(seed=seed).select(range(min(max_train_samples, len(train))))
+        train = with_sample_index(train)
+    if do_eval:
+        if "validation" not in dataset:
+            raise ValueError("--do_eval needs a 'validation' split, or --train_val_split > 0 to hold one out.")
+        validation = dataset["validation"]
+        if max_eval_samples is not None:
+            validation = validation.shuffle(seed=seed).select(range(min(max_eval_samples, len(validation))))
+        validation = with_sample_index(validation)
+    return train, validation
+
+
+def mean_depth(dataset, depth_column: str, depth_scale: float = 1.0, max_samples: int = 64) -> float:
+    """Mean valid depth (finite, > 0) of up to `max_samples` maps of `dataset`: where a new linear depth head
+    starts (see `build_depth_model`)."""
+    total, count = 0.0, 0
+    for target in dataset.select(range(min(max_samples, len(dataset))))[depth_column]:
+        depth = _to_map(target).astype(np.float64) / depth_scale
+        valid = np.isfinite(depth) & (depth > 0)
+        total, count = total + float(depth[valid].sum()), count + int(valid.sum())
+    return total / count if count else 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def default_out_indices(num_hidden_layers: int, count: int = 4) -> list[int]:
+    """`count` stages spread evenly up to the last block, as DPT reads a ViT (`[3, 6, 9, 12]` for 12 blocks); fewer
+    for shallow models (`[0, 1, 2]` for 2 blocks: the patch embedding and both blocks)."""
+    return sorted({round(num_hidden_layers * (index + 1) / count) for index in range(count)})
+
+
+def build_dense_processor(model_name_or_path: str, shortest_edge: int, longest_edge: int | None = None, **kwargs):
+    """The folder's image processor (its mean and std; the defaults where it has none) in any-size mode:
+    `for_any_size(shortest_edge)`, each image resized to multiples of the patch size and batches padded with a
+    `pixel_mask` (docs/usage.md, "Images of different sizes in one batch")."""
+    config = AutoConfig.from_pretrained(model_name_or_path, **kwargs)
+    veca = config if isinstance(config, VecaConfig) else config.backbone_config
+    try:
+        loaded = AutoImageProcessor.from_pretrained(model_name_or_path, **kwargs)
+        cls = type(loaded) if isinstance(loaded, (VecaImageProcessor, VecaImageProcessorPil)) else None
+        options = {"image_mean": loaded.image_mean, "image_std": loaded.image_std}
+    except OSError:  # a folder without a processor
+        cls, options = None, {}
+    cls = cls or (VecaImageProcessor if is_torchvision_available() else VecaImageProcessorPil)
+    if longest_edge is not None:
+        options["size"] = {"shortest_edge": shortest_edge, "longest_edge": longest_edge}
+    return cls.for_any_size(shortest_edge, patch_size=veca.patch_size, **options)
+
+
+def _veca_backbone_config(
+    model_name_or_path: str, out_indices, reshape_hidden_states: bool, num_core_tokens, **kwargs
+):
+    config = VecaConfig.from_pretrained(model_name_or_path, **kwargs)
+    indices = list(out_indices) if out_indices else default_out_indices(config.num_hidden_layers)
+    config = VecaConfig.from_pretrained(
+        model_name_or_path, out_indices=indices, reshape_hidden_states=reshape_hidden_states, **kwargs
+    )
+    config.architectures = None
+    if hasattr(config, "auto_map"):  # the head's folder holds no VECA code
+        del config.auto_map
+    if num_core_tokens is not None:
+        config.default_num_core_tokens = config.check_budget(num_core_tokens, name="--num_core_tokens")
+    return config
+
+
+def _for_trainer(model: PreTrainedModel) -> PreTrainedModel:
+    """A transformers head, marked as computing a mean loss that takes no loss arguments.
+
+    NOTE: UperNet, DPT and Depth Anything take `**kwargs`, from which `Trainer` concludes that they normalise their
+    loss by `num_items_in_batch`: it would then pass it (DPT hands it to the backbone, which rejects it) and skip
+    the division by the gradient accumulation steps. Their losses are per-batch means.
+    """
+    model.accepts_loss_kwargs = False
+    return model
+
+
+def _load_veca_weights(model: PreTrainedModel, model_name_or_path: str, **kwargs) -> PreTrainedModel:
+    """The folder's VECA weights into the head's backbone (a `VecaModel`, classifier, dense head or backbone
+    folder)."""
+    model.backbone.load_state_dict(VecaBackbone.from_pretrained(model_name_or_path, **kwargs).state_dict())
+    return _for_trainer(model)
+
+
+def _neck_sizes(count: int, hidden_size: int | None, defaults: Sequence[int]) -> list[int]:
+    return [hidden_size] * count if hidden_size else list(defaults)[:count]
+
+
+def build_segmentation_model(
+    model_name_or_path: str,
+    head: str,
+    id2label: Mapping[int, str],
+    ignore_index: int = 255,
+    num_core_tokens: int | None = None,
+    out_indices: Sequence[int] | None = None,
+    head_hidden_size: int | None = None,
+    **kwargs,
+) -> PreTrainedModel:
+    """
+    A segmentation model on the VECA of `model_name_or_path`.
+
+    Args:
+        model_name_or_path (`str`):
+            A VECA folder or Hub id: a `VecaModel` (the head is new), a classifier, or a saved segmentation model
+            (`VecaForSemanticSegmentation`, or `UperNetForSemanticSegmentation` with a VECA backbone), whose head is
+            kept when its labels match.
+        head (`str`):
+            `"linear"` ([`VecaForSemanticSegmentation`], loaded with `AutoModelForSemanticSegmentation`) or
+            `"upernet"` (transformers' `UperNetForSemanticSegmentation`, the VECA as its backbone, maps of
+            `out_indices`).
+        id2label (`Mapping[int, str]`): the class names; their number is `num_labels`.
+        ignore_index (`int`, *optional*, defaults to 255): the label the loss ignores.
+        num_core_tokens (`int`, *optional*): saved as the VECA's `default_num_core_tokens`.
+        out_indices (`Sequence[int]`, *optional*): UperNet's stages; defaults to `default_out_indices`.
+        head_hidden_size (`int`, *optional*): UperNet's `hidden_size` (512 by default; its auxiliary head half).
+        kwargs: passed to `from_pretrained` (`cache_dir`, `revision`).
+    """
+    id2label = {int(index): name for index, name in id2label.items()}
+    labels = {"num_labels": len(id2label), "id2label": id2label, "label2id": {n: i for i, n in id2label.items()}}
+    config = AutoConfig.from_pretrained(model_name_or_path, **kwargs)
+    if head not in SEGMENTATION_HEADS:
+        raise ValueError(f"--head must be one of {SEGMENTATION_HEADS}, got {head!r}.")
+    if not isinstance(config, VecaConfig):  # a saved transformers head: continue training it
+        model = AutoModelForSemanticSegmentation.from_pretrained(
+            model_name_or_path, ignore_mismatched_sizes=True, loss_ignore_index=ignore_index, **labels, **kwargs
+        )
+        if not isinstance(model, UperNetForSemanticSegmentation) or head != "upernet":
+            raise ValueError(f"{model_name_or_path} holds a {type(model).__name__}, not a VECA for --head {head}.")
+        if num_core_tokens is not None:
+            model.backbone.config.default_num_core_tokens = num_core_tokens
+            model.config.backbone_config.default_num_core_tokens = num_core_tokens
+        return _for_trainer(model)
+    if head == "linear":
+        budget = {"default_num_core_tokens": num_core_tokens} if num_core_tokens is not None else {}
+        return AutoModelForSemanticSegmentation.from_pretrained(
+            model_name_or_path,
+            ignore_mismatched_sizes=True,
+            semantic_loss_ignore_index=ignore_index,
+            **labels,
+            **budget,
+            **kwargs,
+        )
+    backbone_config = _veca_backbone_config(model_name_or_path, out_indices, True, num_core_tokens, **kwargs)
+    hidden_size = head_hidden_size or 512
+    upernet_config = UperNetConfig(
+        backbone_config=backbone_config,
+        hidden_size=hidden_size,
+        auxiliary_channels=max(hidden_size // 2, 1),
+        loss_ignore_index=ignore_index,
+        **labels,
+    )
+    return _load_veca_weights(UperNetForSemanticSegmentation(upernet_config), model_name_or_path, **kwargs)
+
+
+def build_depth_model(
+    model_name_or_path: str,
+    head: str,
+    num_core_tokens: int | None = None,
+    out_indices: Sequence[int] | None = None,
+    head_hidden_size: int | None = None,
+    max_depth: int = 10,
+    initial_depth: float | None = None,
+    **kwargs,
+) -> PreTrainedModel:
+    """
+    A depth model on the VECA of `model_name_or_path`.
+
+    Args:
+        model_name_or_path (`str`):
+            A VECA folder or Hub id (`VecaModel`, classifier, `VecaForDepthEstimation`), or a saved DPT / Depth
+            Anything head with a VECA backbone to continue training.
+        head (`str`):
+            `"linear"` ([`VecaForDepthEstimation`], loaded with `AutoModelForDepthEstimation`), `"dpt"`
+            (`DPTForDepthEstimation`, readout `"project"` from the global core) or `"depth_anything"`
+            (`DepthAnythingForDepthEstimation`, metric: `sigmoid * max_depth`).
+        num_core_tokens (`int`, *optional*): saved as the VECA's `default_num_core_tokens`.
+        out_indices (`Sequence[int]`, *optional*): the necks' stages; defaults to `default_out_indices`.
+        head_hidden_size (`int`, *optional*): the necks' width (every `neck_hidden_sizes` entry and
+            `fusion_hidden_size`); transformers' defaults otherwise.
+        max_depth (`int`, *optional*, defaults to 10): Depth Anything's largest depth (10 m for NYUv2, 80 for
+            KITTI).
+        initial_depth (`float`, *optional*):
+            A new linear head starts predicting this depth everywhere (its bias; e.g. `mean_depth` of the training
+            set): from 0, the optimiser would spend its first hundreds of steps only reaching the scene's scale.
+        kwargs: passed to `from_pretrained` (`cache_dir`, `revision`).
+    """
+    if head not in DEPTH_HEADS:
+        raise ValueError(f"--head must be one of {DEPTH_HEADS}, got {head!r}.")
+    config = AutoConfig.from_pretrained(model_name_or_path, **kwargs)
+    if not isinstance(config, VecaConfig):  # a saved transformers head: continue training it
+        model = AutoModelForDepthEstimation.from_pretrained(model_name_or_path, **kwargs)
+        expected = {"dpt": DPTForDepthEstimation, "depth_anything": DepthAnythingForDepthEstimation}.get(head)
+        if expected is None or not isinstance(model, expected):
+            raise ValueError(f"{model_name_or_path} holds a {type(model).__name__}, not a VECA for --head {head}.")
+        if num_core_tokens is not None:
+            model.backbone.config.default_num_core_tokens = num_core_tokens
+            model.config.backbone_config.default_num_core_tokens = num_core_tokens
+        return _for_trainer(model)
+    if head == "linear":
+        budget = {"default_num_core_tokens": num_core_tokens} if num_core_tokens is not None else {}
+        model, info = AutoModelForDepthEstimation.from_pretrained(
+            model_name_or_path, output_loading_info=True, **budget, **kwargs
+        )
+        if initial_depth is not None and "head.bias" in info["missing_keys"]:
+            with torch.no_grad():
+                model.head.bias.fill_(initial_depth)
+        return model
+    backbone_config = _veca_backbone_config(model_name_or_path, out_indices, False, num_core_tokens, **kwargs)
+    count = len(backbone_config.out_indices)
+    factors = [4, 2, 1, 0.5][:count]
+    if head == "dpt":
+        head_config = DPTConfig(
+            backbone_config=backbone_config,
+            readout_type="project",  # the global core is the readout token
+            reassemble_factors=factors,
+            neck_hidden_sizes=_neck_sizes(count, head_hidden_size, [96, 192, 384, 768]),
+            fusion_hidden_size=head_hidden_size or 256,
+        )
+        model = DPTForDepthEstimation(head_config)
+    else:
+        head_config = DepthAnythingConfig(
+            backbone_config=backbone_config,
+            patch_size=backbone_config.patch_size,  # Depth Anything reads these two from its own config
+            reassemble_hidden_size=backbone_config.hidden_size,
+            reassemble_factors=factors,
+            neck_hidden_sizes=_neck_sizes(count, head_hidden_size, [48, 96, 192, 384]),
+            fusion_hidden_size=head_hidden_size or 64,
+            depth_estimation_type="metric",
+            max_depth=max_depth,
+        )
+        model = DepthAnythingForDepthEstimation(head_config)
+    return _load_veca_weights(model, model_name_or_path, **kwargs)
+
+
+def freeze_backbone(model: nn.Module) -> int:
+    """Stops the gradients of every VECA in `model` (only the head trains); returns the number of frozen tensors."""
+    frozen = 0
+    for module in model.modules():
+        if isinstance(module, VecaModel):
+            for parameter in module.parameters():
+                parameter.requires_grad_(False)
+                frozen += 1
+    return frozen
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Losses and metrics
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _resized_like(prediction: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`(B, h, w)` bilinearly to the labels' `(B, H, W)` where they differ (DPT on an odd patch grid)."""
+    if prediction.shape[-2:] == labels.shape[-2:]:
+        return prediction
+    resized = nn.functional.interpolate(prediction[:, None], size=labels.shape[-2:], mode="bilinear")
+    return resized[:, 0]
+
+
+def depth_loss_from_outputs(outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """
+    `compute_loss_func` for transformers' depth heads (DPT, Depth Anything raise on `labels`): the mean squared
+    error over pixels with a depth (finite, > 0; padding is 0), as [`VecaForDepthEstimation`] (its NOTE says why).
+
+    NOTE: `Trainer` takes a `compute_loss_func` loss as already scaled for gradient accumulation; this one is a
+    per-batch mean, so set `trainer.loss_is_scaled_for_ga = False` (the depth script does).
+    """
+    predicted = _resized_like(outputs["predicted_depth"], labels)
+    labels = labels.to(predicted.dtype)
+    valid = torch.isfinite(labels) & (labels > 0)
+    if not bool(valid.any()):
+        return predicted.sum() * 0.0
+    return nn.functional.mse_loss(predicted[valid], labels[valid])
+
+
+class _PixelMetric:
+    """Collects the scored pixels of each call and scores them together when `compute_result` is true, so it works
+    with and without `TrainingArguments(batch_eval_metrics=True)` (per batch, keeping only the scored pixels)."""
+
+    def __init__(self):
+        self.predictions, self.references = [], []
+
+    def preprocess_logits(self, logits, labels):  # `preprocess_logits_for_metrics`
+        raise NotImplementedError
+
+    def _keep(self, predictions: np.ndarray, references: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _score(self, predictions: np.ndarray, references: np.ndarray) -> dict[str, float]:
+        raise NotImplementedError
+
+    def __call__(self, prediction: EvalPrediction, compute_result: bool = True) -> dict[str, float]:
+        predictions, references = prediction.predictions, prediction.label_ids
+        if isinstance(predictions, (tuple, list)):
+            predictions = predictions[0]
+        if isinstance(predictions, torch.Tensor):
+            predictions = predictions.detach().float().cpu().numpy()
+        if isinstance(references, torch.Tensor):
+            references = references.detach().float().cpu().numpy()
+        self._keep(np.asarray(predictions), np.asarray(references))
+        if not compute_result:
+            return {}
+        predictions, references = np.concatenate(self.predictions), np.concatenate(self.references)
+        self.predictions, self.references = [], []
+        return self._score(predictions, references)
+
+
+class SegmentationMetrics(_PixelMetric):
+    """
+    Mean IoU, mean accuracy and pixel accuracy (the `mean_iou` metric module, pooled over all pixels) of arg-max
+    predictions; `compute_metrics` for `Trainer`, with `preprocess_logits` as `preprocess_logits_for_metrics`.
+
+    Labels equal to `ignore_index` (unlabelled and padded pixels) or negative (`Trainer`'s -100 padding between
+    batches) are not scored.
+
+    Args:
+        num_labels (`int`): the number of classes.
+        ignore_index (`int`, *optional*, defaults to 255): the label of pixels not scored.
+    """
+
+    def __init__(self, num_labels: int, ignore_index: int = 255):
+        super().__init__()
+        self.num_labels, self.ignore_index = num_labels, ignore_index
+        self.dtype = np.uint8 if num_labels <= 255 else np.int32
+
+    def preprocess_logits(self, logits, labels):
+        """`(B, K, H, W)` logits -> `(B, H, W)` classes, resized to the labels if they differ."""
+        if isinstance(logits, (tuple, list)):
+            logits = logits[0]
+        if logits.shape[-2:] != labels.shape[-2:]:
+            logits = nn.functional.interpolate(logits, size=labels.shape[-2:], mode="bilinear")
+        return logits.argmax(1)
+
+    def _keep(self, predictions, references):
+        scored = (references != self.ignore_index) & (references >= 0)
+        self.predictions.append(predictions[scored].astype(self.dtype))
+        self.references.append(references[scored].astype(self.dtype))
+
+    def _score(self, predictions, references):
+        results = compute_metric(
+            "mean_iou",
+            predictions=[predictions],
+            references=[references],
+            num_labels=self.num_labels,
+            ignore_index=self.ignore_index,
+        )
+        return {name: float(results[name]) for name in ("mean_iou", "mean_accuracy", "overall_accuracy")}
+
+
+class DepthMetrics(_PixelMetric):
+    """
+    RMSE, AbsRel and delta1 (the `depth` metric module, pooled over all pixels with a depth): `compute_metrics` for
+    `Trainer`, with `preprocess_logits` as `preprocess_logits_for_metrics`. Pixels with depth 0, NaN or negative
+    (padding, `Trainer`'s -100 between batches) are not scored.
+    """
+
+    def preprocess_logits(self, logits, labels):
+        """`predicted_depth` `(B, h, w)`, resized to the labels' size if it differs."""
+        if isinstance(logits, (tuple, list)):
+            logits = logits[0]
+        return _resized_like(logits, labels)
+
+    def _keep(self, predictions, references):
+        scored = np.isfinite(references) & (references > 0)
+        self.predictions.append(predictions[scored].astype(np.float32))
+        self.references.append(references[scored].astype(np.float32))
+
+    def _score(self, predictions, references):
+        return compute_metric("depth", predictions=predictions, references=references)
