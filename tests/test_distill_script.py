@@ -85,6 +85,16 @@ def run_distill(
     return result
 
 
+def two_cpu_processes(port: int) -> list[str]:
+    """`accelerate launch` of 2 gloo processes on CPU (with ACCELERATE_USE_CPU=true, which `run_distill` sets).
+
+    NOTE: `accelerate launch --cpu --num_processes 2` needs MPI (mpirun); the torchrun launcher behind `--multi_gpu`
+    does not."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(port)]  # fmt: skip
+
+
 def first_log_line(result: subprocess.CompletedProcess) -> str:
     return next(line for line in result.stderr.splitlines() if " __main__: " in line)
 
@@ -120,24 +130,7 @@ def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tm
 def test_two_processes_stream_disjoint_data_skip_a_non_finite_step_together_and_save(workspace, tmp_path):
     """Also a fault: the teacher's output is NaN on rank 1 at step 1 (a test hook); both ranks skip that update."""
     output_dir = tmp_path / "ddp"
-    # NOTE: `accelerate launch --cpu --num_processes 2` needs MPI (mpirun); the torchrun launcher behind
-    # `--multi_gpu` plus ACCELERATE_USE_CPU=true gives 2 gloo processes on CPU.
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "29533",
-    ]
+    launcher = two_cpu_processes(29533)
     # 2 ranks x 2 steps x 4 images = 16 <= the 20 training images: within one epoch nothing may repeat.
     result = run_distill(
         distill_args(workspace, output_dir, max_train_steps=2, log_sample_sources="true"),
@@ -394,22 +387,7 @@ def test_normuon_run_logs_its_split_and_resumes_exactly(workspace, tmp_path):
 
 def test_normuon_under_ddp_keeps_replicas_equal_and_skips_a_non_finite_step(workspace, tmp_path):
     output_dir = tmp_path / "ddp-normuon"
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "29534",
-    ]
+    launcher = two_cpu_processes(29534)
     result = run_distill(
         distill_args(workspace, output_dir, optimizer="normuon", max_train_steps=3),
         launcher=launcher,

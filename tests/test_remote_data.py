@@ -16,7 +16,15 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 from shard_server import ShardServer
-from test_distill_script import ROOT, SCRIPT, distill_args, run_distill, run_env, workspace  # noqa: F401
+from test_distill_script import (  # noqa: F401 (workspace: the fixture)
+    ROOT,
+    SCRIPT,
+    distill_args,
+    run_distill,
+    run_env,
+    two_cpu_processes,
+    workspace,
+)
 
 from veca_hf.data import StreamRetries, check_shard_count, expand_braces, load_image_dataset, parse_storage_options
 from veca_hf.data.sources import _filesystem, resolve_remote_files, split_sources
@@ -223,9 +231,7 @@ def test_s3_glob_with_storage_options_splits_shards_across_two_processes(workspa
         options = {"key": "testing", "secret": "s3cretKEYnotONdisk",
                    "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}  # fmt: skip
         output_dir = tmp_path / "s3-ddp"
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                    "--main_process_port", "29535"]  # fmt: skip
+        launcher = two_cpu_processes(29535)
         args = distill_args(workspace, output_dir, dataset_name="s3://veca-shards/train/*.parquet",
                             storage_options=json.dumps(options), max_train_steps=2, validation_size=2,
                             log_sample_sources="true", dataloader_num_workers=1)  # fmt: skip
