@@ -21,11 +21,12 @@ the pixels with a depth (`modeling_veca_dense.VecaForDepthEstimation` says why n
 the head alone.
 
 Data: `--dataset_name` is a Hub id, a local folder `datasets.load_dataset` reads (Parquet files named by split) or one
-Parquet file, with an image column (`--image_column`) and a depth column (`--depth_column`): float maps (arrays or
-mode `F` images) or 16-bit PNGs, each of its image's size; stored values are divided by `--depth_scale` (1000 for
-millimetres, 256 for KITTI), and 0 or NaN marks pixels without ground truth. Images keep their aspect ratio (short
-side `--shortest_edge`) and batches are padded with a `pixel_mask`; padded pixels count neither in the loss nor in
-the metrics.
+Parquet file (or `--train_file` and `--validation_file` name Parquet files per split: paths, globs or fsspec URLs such
+as `hf://datasets/org/name@revision/dir/*.parquet`), with an image column (`--image_column`) and a depth column
+(`--depth_column`): float maps (arrays or mode `F` images) or 16-bit PNGs, each of its image's size; stored values are
+divided by `--depth_scale` (1000 for millimetres, 256 for KITTI), and 0 or NaN marks pixels without ground truth.
+Images keep their aspect ratio (short side `--shortest_edge`) and batches are padded with a `pixel_mask`; padded pixels
+count neither in the loss nor in the metrics.
 
 Budget flags as in `finetune_classification.py`; `all_results.json` holds `eval_C{C}_rmse`, `eval_C{C}_abs_rel`,
 `eval_C{C}_delta1` and `eval_C{C}_loss` per budget of `--eval_budgets`. See docs/dense_tasks.md.
@@ -91,7 +92,19 @@ class ModelArguments:
 class DataTrainingArguments:
     """Which data to train and evaluate on."""
 
-    dataset_name: str = field(metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."}
+    )
+    train_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of --dataset_name: the training split's Parquet file(s), a path, glob or fsspec URL "
+            "(hf://datasets/org/name@revision/dir/*.parquet)."
+        },
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "With --train_file: the validation split's Parquet file(s)."}
+    )
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
     image_column: str = field(default="image", metadata={"help": "The column holding the images."})
     depth_column: str = field(default="depth", metadata={"help": "The column holding the depth maps."})
@@ -118,7 +131,14 @@ def main():
     logger.info(f"Training/evaluation parameters {training_args}")
     transformers.set_seed(training_args.seed)
 
-    dataset = load_dense_dataset(data_args.dataset_name, data_args.dataset_config_name, model_args.cache_dir)
+    dataset = load_dense_dataset(
+        data_args.dataset_name,
+        data_args.dataset_config_name,
+        model_args.cache_dir,
+        train_file=data_args.train_file,
+        validation_file=data_args.validation_file,
+    )
+    dataset_source = data_args.dataset_name or data_args.train_file  # for the model card
     check_columns(dataset, {"--image_column": data_args.image_column, "--depth_column": data_args.depth_column})
     train, validation = prepare_splits(
         dataset,
@@ -192,12 +212,12 @@ def main():
 
     if training_args.push_to_hub:
         trainer.push_to_hub(
-            finetuned_from=model_args.model_name_or_path, tasks="depth-estimation", dataset=data_args.dataset_name
+            finetuned_from=model_args.model_name_or_path, tasks="depth-estimation", dataset=dataset_source
         )
     write_finetuned_model_card(
         trainer,
         base_model=model_args.model_name_or_path,
-        datasets=data_args.dataset_name,
+        datasets=dataset_source,
         training_budget=training_budget_description(budget_args, budget_sampler, model),
         eval_metrics=eval_metrics,
         metrics_description="RMSE, absolute relative error and delta < 1.25 over the validation pixels with a depth "

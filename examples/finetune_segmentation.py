@@ -18,13 +18,14 @@ Heads: `--head linear` ([`VecaForSemanticSegmentation`]: a linear layer on every
 saved so that `AutoModelForSemanticSegmentation` loads it) or `--head upernet` (transformers'
 `UperNetForSemanticSegmentation` with the VECA as its backbone). `--freeze_backbone` trains the head alone.
 
-Data: `--dataset_name` is a Hub id, a local folder `datasets.load_dataset` reads (Parquet files named by split) or
-one Parquet file, with an image column (`--image_column`) and a label-map column (`--label_column`: single-channel
-images or arrays of class indices, each of its image's size; `--ignore_index`, 255, marks unlabelled pixels).
-`--reduce_labels` makes label 0 the ignored background (ADE20K). Class names come from `--id2label_file`, else
-`id2label.json` in the dataset, else the labels found in the training maps. Every image keeps its aspect ratio
-(short side `--shortest_edge`, sides multiples of the patch size) and batches are padded with a `pixel_mask`, so
-padded pixels count neither in the loss nor in the metric.
+Data: `--dataset_name` is a Hub id, a local folder `datasets.load_dataset` reads (Parquet files named by split) or one
+Parquet file (or `--train_file` and `--validation_file` name Parquet files per split: paths, globs or fsspec URLs such
+as `hf://datasets/org/name@revision/dir/*.parquet`), with an image column (`--image_column`) and a label-map column
+(`--label_column`: single-channel images or arrays of class indices, each of its image's size; `--ignore_index`, 255,
+marks unlabelled pixels). `--reduce_labels` makes label 0 the ignored background (ADE20K). Class names come from
+`--id2label_file`, else `id2label.json` in the dataset, else the labels found in the training maps. Every image keeps
+its aspect ratio (short side `--shortest_edge`, sides multiples of the patch size) and batches are padded with a
+`pixel_mask`, so padded pixels count neither in the loss nor in the metric.
 
 Budget: `--num_core_tokens C` trains at C and saves it as the default budget; `--sample_budgets` draws one budget per
 optimiser step from `--budgets` with `--budget_weights`. Each of `--eval_budgets` is evaluated after training:
@@ -89,7 +90,19 @@ class ModelArguments:
 class DataTrainingArguments:
     """Which data to train and evaluate on."""
 
-    dataset_name: str = field(metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."}
+    )
+    train_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of --dataset_name: the training split's Parquet file(s), a path, glob or fsspec URL "
+            "(hf://datasets/org/name@revision/dir/*.parquet)."
+        },
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "With --train_file: the validation split's Parquet file(s)."}
+    )
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
     image_column: str = field(default="image", metadata={"help": "The column holding the images."})
     label_column: str = field(default="label", metadata={"help": "The column holding the label maps."})
@@ -116,7 +129,14 @@ def main():
     logger.info(f"Training/evaluation parameters {training_args}")
     transformers.set_seed(training_args.seed)
 
-    dataset = load_dense_dataset(data_args.dataset_name, data_args.dataset_config_name, model_args.cache_dir)
+    dataset = load_dense_dataset(
+        data_args.dataset_name,
+        data_args.dataset_config_name,
+        model_args.cache_dir,
+        train_file=data_args.train_file,
+        validation_file=data_args.validation_file,
+    )
+    dataset_source = data_args.dataset_name or data_args.train_file  # for the model card
     check_columns(dataset, {"--image_column": data_args.image_column, "--label_column": data_args.label_column})
     train, validation = prepare_splits(
         dataset,
@@ -190,12 +210,12 @@ def main():
 
     if training_args.push_to_hub:
         trainer.push_to_hub(
-            finetuned_from=model_args.model_name_or_path, tasks="image-segmentation", dataset=data_args.dataset_name
+            finetuned_from=model_args.model_name_or_path, tasks="image-segmentation", dataset=dataset_source
         )
     write_finetuned_model_card(
         trainer,
         base_model=model_args.model_name_or_path,
-        datasets=data_args.dataset_name,
+        datasets=dataset_source,
         training_budget=training_budget_description(budget_args, budget_sampler, model),
         eval_metrics=eval_metrics,
         metrics_description="mean IoU, mean class accuracy and pixel accuracy on the validation split (labelled "

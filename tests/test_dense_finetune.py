@@ -39,6 +39,7 @@ from veca_hf.dense import (
     build_segmentation_model,
     check_columns,
     depth_loss_from_outputs,
+    load_dense_dataset,
     prepare_splits,
     resolve_id2label,
 )
@@ -375,6 +376,32 @@ def test_bad_samples_raise_value_errors_naming_them():
         prepare_splits(table, do_train=True, do_eval=True, train_val_split=0.0)
 
 
+def test_channels_first_float_arrays_are_images():
+    """Hub copies exported from NumPy store images as `(3, H, W)` floats in [0, 1] and depths as `(1, H, W)`."""
+    processor = VecaImageProcessorPil.for_any_size(32, patch_size=16)
+    rgb = np.random.default_rng(0).integers(0, 256, (32, 48, 3)).astype(np.uint8)
+    depth = DenseTransform(processor, "depth", "image", "depth")
+    depths = np.full((1, 32, 48), 2.0, np.float32)
+    from_uint8 = depth({"image": [Image.fromarray(rgb)], "depth": [depths]})
+    from_floats = depth({"image": [(rgb / 255.0).transpose(2, 0, 1).tolist()], "depth": [depths.tolist()]})
+    torch.testing.assert_close(from_floats["pixel_values"][0], from_uint8["pixel_values"][0], rtol=0, atol=0)
+    assert from_floats["labels"][0].unique().tolist() == [2.0]
+    with pytest.raises(ValueError, match=r"image of sample 0 .* floats in \[0, 255\]; .* must be in \[0, 1\]"):
+        depth({"image": [rgb.astype(np.float32)], "depth": [depths]})
+
+
+def test_splits_from_parquet_files_or_urls(tmp_path):
+    data = write_parquet_dataset(tmp_path / "data", {"train": 3, "validation": 2}, depth_as_png=True)
+    for train_file in (str(data / "train.parquet"), f"file://{data}/tr*.parquet"):  # a path, an fsspec URL glob
+        dataset = load_dense_dataset(train_file=train_file, validation_file=str(data / "validation.parquet"))
+        assert {split: len(rows) for split, rows in dataset.items()} == {"train": 3, "validation": 2}
+    assert list(load_dense_dataset(train_file=str(data / "train.parquet"))) == ["train"]
+    with pytest.raises(ValueError, match="either --dataset_name .* or --train_file/--validation_file"):
+        load_dense_dataset(str(data), train_file=str(data / "train.parquet"))
+    with pytest.raises(ValueError, match="not both and not neither"):
+        load_dense_dataset()
+
+
 def test_id2label_from_a_file_or_from_the_data(tmp_path):
     maps = [np.array([[0, 1], [1, 4]], np.uint8), np.array([[2, 255], [0, 0]], np.uint8)]
     train = datasets.Dataset.from_dict({"label": [Image.fromarray(m) for m in maps]})
@@ -504,12 +531,16 @@ def test_depth_script_linear_and_depth_anything(tmp_path, veca_folder, script_en
     png = write_parquet_dataset(tmp_path / "png", {"train": 8, "validation": 4}, depth_as_png=True)
     floats = write_parquet_dataset(tmp_path / "floats", {"train": 12}, depth_as_png=False)  # validation held out
     runs = [
-        ("linear", png, ["--depth_scale", "1000"]),
-        ("depth_anything", floats, ["--head_hidden_size", "16", "--max_depth", "6", "--freeze_backbone"]),
+        ("linear", ["--train_file", f"{png}/train.parquet", "--validation_file", f"{png}/validation.parquet"]),
+        ("depth_anything", ["--dataset_name", str(floats)]),
     ]
-    for head, data, extra in runs:
-        output = tmp_path / head
-        argv = ["--model_name_or_path", str(veca_folder), "--head", head, "--dataset_name", str(data)]
+    options = {
+        "linear": ["--depth_scale", "1000"],
+        "depth_anything": ["--head_hidden_size", "16", "--max_depth", "6", "--freeze_backbone"],
+    }
+    for head, data in runs:
+        output, extra = tmp_path / head, options[head]
+        argv = ["--model_name_or_path", str(veca_folder), "--head", head, *data]
         run_script("finetune_depth", [*argv, "--output_dir", str(output), *COMMON, *extra], monkeypatch)
 
         results = json.loads((output / "all_results.json").read_text())

@@ -2,10 +2,11 @@
 """Fine-tuning VECA for dense tasks (semantic segmentation, depth) with `Trainer`: everything the example scripts
 `examples/finetune_segmentation.py` and `examples/finetune_depth.py` share, so that they stay thin.
 
-- Data: `load_dense_dataset` (a Hub id, a local folder or a Parquet file), `check_columns`, `prepare_splits`,
-  `resolve_id2label`, `mean_depth`; `DenseTransform` turns an image and its label map (or depth map) into tensors of
-  one size, checked sample by sample; `DenseCollator` pads a batch of different sizes and returns `pixel_mask`, the
-  label maps padded with the ignore index (segmentation) or 0 (depth, "no ground truth").
+- Data: `load_dense_dataset` (a Hub id, a local folder, a Parquet file, or Parquet files per split),
+  `check_columns`, `prepare_splits`, `resolve_id2label`, `mean_depth`; `DenseTransform` turns an image and its label
+  map (or depth map) into tensors of one size, checked sample by sample; `DenseCollator` pads a batch of different
+  sizes and returns `pixel_mask`, the label maps padded with the ignore index (segmentation) or 0 (depth, "no
+  ground truth").
 - Models: `build_segmentation_model` (`"linear"`: [`VecaForSemanticSegmentation`]; `"upernet"`: transformers'
   `UperNetForSemanticSegmentation` with a VECA backbone) and `build_depth_model` (`"linear"`:
   [`VecaForDepthEstimation`]; `"dpt"`, `"depth_anything"`: transformers' heads), all from one VECA folder;
@@ -88,11 +89,32 @@ SAMPLE_INDEX_COLUMN = "__sample_index__"
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def load_dense_dataset(name: str, config_name: str | None = None, cache_dir: str | None = None):
+def load_dense_dataset(
+    name: str | None = None,
+    config_name: str | None = None,
+    cache_dir: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+):
     """`datasets.DatasetDict` of a Hub id, a local folder `load_dataset` reads (Parquet files named by split, an
-    image folder with metadata), or one `.parquet` file (its `"train"` split)."""
+    image folder with metadata), or one `.parquet` file (its `"train"` split); or of Parquet data files given per
+    split (`train_file`, `validation_file`: a path, a glob or an fsspec URL such as
+    `hf://datasets/org/name@revision/dir/*.parquet`), for Hub copies whose splits or revisions `load_dataset(name)`
+    does not find by itself.
+
+    Raises:
+        `ValueError`: for neither or both of `name` and the data files.
+    """
     from datasets import load_dataset
 
+    data_files = {split: files for split, files in (("train", train_file), ("validation", validation_file)) if files}
+    if (name is None) == (not data_files):
+        raise ValueError(
+            f"Give either --dataset_name ({name!r}) or --train_file/--validation_file ({data_files or None}), "
+            "not both and not neither."
+        )
+    if data_files:
+        return load_dataset("parquet", data_files=data_files, cache_dir=cache_dir)
     if name.endswith(".parquet") and Path(name).is_file():
         return load_dataset("parquet", data_files={"train": name}, cache_dir=cache_dir)
     return load_dataset(name, config_name, cache_dir=cache_dir)
@@ -122,14 +144,25 @@ def with_sample_index(dataset):
 
 
 def _to_pil(value: Any) -> PIL.Image.Image:
-    """A PIL image from what a dataset column holds: an image, `{"bytes", "path"}`, a path, or an array."""
+    """A PIL image from what a dataset column holds: an image, `{"bytes", "path"}`, a path, or an array (`(H, W, 3)`,
+    `(3, H, W)` or `(H, W)`; floats are read as `[0, 1]`)."""
     if isinstance(value, PIL.Image.Image):
         return value
     if isinstance(value, Mapping) and (value.get("bytes") or value.get("path")):
         return PIL.Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
     if isinstance(value, (str, os.PathLike)):
         return PIL.Image.open(value)
-    return PIL.Image.fromarray(np.asarray(value))
+    array = np.asarray(value)
+    if array.ndim == 3 and array.shape[0] in (1, 3) and array.shape[-1] not in (1, 3):
+        array = array.transpose(1, 2, 0).squeeze(-1) if array.shape[0] == 1 else array.transpose(1, 2, 0)  # CHW
+    if np.issubdtype(array.dtype, np.floating):  # NOTE: float images (e.g. NumPy exports) hold [0, 1]
+        if array.size and not 0.0 <= array.min() <= array.max() <= 1.0:
+            raise ValueError(
+                f"holds floats in [{array.min():g}, {array.max():g}]; an image stored as floats must be in [0, 1] "
+                "(store uint8 values as integers)"
+            )
+        array = (array * 255.0).round().astype(np.uint8)
+    return PIL.Image.fromarray(array)
 
 
 def _to_map(value: Any) -> np.ndarray:
@@ -263,7 +296,10 @@ class DenseTransform:
         pixel_values, labels = [], []
         for position, (image, target, index) in enumerate(zip(images, targets, indices, strict=True)):
             sample = self._sample(index, position)
-            image = _to_pil(image).convert("RGB")
+            try:
+                image = _to_pil(image).convert("RGB")
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"The image of {sample} ({self.image_column}) {error}.") from error
             target = self.check_target(target, (image.height, image.width), sample)
             processed = self.image_processor(image, do_pad=False, return_tensors="pt")["pixel_values"][0]  # (3, h, w)
             height, width = processed.shape[-2:]
