@@ -41,7 +41,7 @@ def int_list(text: str) -> list[int]:
 
 def argument_parser(description: str, resolutions: list[int]) -> argparse.ArgumentParser:
     """A parser with the arguments every model benchmark takes: `--size`, `--tiny`, `--resolutions` (default
-    `resolutions`), `--device`, `--threads` and `--seed`."""
+    `resolutions`), `--device`, `--threads`, `--seed` and `--cpu_allocator` (apply it with `apply_cpu_allocator`)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument(
         "--size", default="veca-b16", choices=["veca-s16", "veca-b16", "veca-l16"], help="VECA preset."
@@ -51,7 +51,27 @@ def argument_parser(description: str, resolutions: list[int]) -> argparse.Argume
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own).")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cpu_allocator",
+        default="tuned",
+        choices=["tuned", "default"],
+        help="tuned: apply veca_hf's glibc malloc settings at the start (what the first VECA forward on the CPU does "
+        "anyway), so that every model of the run, DINOv3 included, runs under them; default: glibc's own "
+        "(VECA_HF_TUNE_MALLOC=0). Recorded in the results (machine.cpu_allocator).",
+    )
     return parser
+
+
+def apply_cpu_allocator(args: argparse.Namespace) -> dict:
+    """Apply `--cpu_allocator` before any model runs; returns `veca_hf.cpu_allocator_state()` for the results."""
+    import veca_hf
+
+    if args.cpu_allocator == "default":
+        os.environ["VECA_HF_TUNE_MALLOC"] = "0"
+    else:
+        os.environ.pop("VECA_HF_TUNE_MALLOC", None)
+        veca_hf.tune_cpu_allocator()
+    return veca_hf.cpu_allocator_state()
 
 
 def write_results(output_dir: Path, result: dict, markdown: str | None = None) -> None:

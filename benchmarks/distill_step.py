@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    allocator = common.apply_cpu_allocator(args)
     machine = scaling.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
+    machine["cpu_allocator"] = allocator
     teacher, students, patch_size = build(args, device)
     teacher_autocast = torch.bfloat16 if args.teacher_dtype == "bf16" else None
 

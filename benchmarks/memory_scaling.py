@@ -176,6 +176,7 @@ def measure_point(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    common.apply_cpu_allocator(argparse.Namespace(cpu_allocator=spec["cpu_allocator"]))  # this fresh process's
     model, call = build_point(spec)
     weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     out: dict[str, Any] = {"weights_mb": weights / MIB}
@@ -402,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": args.threads or torch.get_num_threads(),
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else cpu_model(),
         "start_method": context.get_start_method(),
+        "cpu_allocator": args.cpu_allocator,  # applied in each point's process
     }
     plan = [("inference", r) for r in sorted(args.resolutions)] + [
         ("train", r) for r in sorted(args.train_resolutions)
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
             spec = {"phase": phase, "model": model, "resolution": resolution, "size": args.size, "tiny": args.tiny,
                     "budget": args.budget, "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype,
                     "attn_implementation": args.attn_implementation, "threads": args.threads,
-                    "seed": args.seed}  # fmt: skip
+                    "seed": args.seed, "cpu_allocator": args.cpu_allocator}  # fmt: skip
             point = {k: spec[k] for k in ("phase", "model", "resolution")} | {"num_patches": (resolution // 16) ** 2}
             if (phase, model) in failed:
                 point["error"] = "skipped: a smaller resolution already failed"

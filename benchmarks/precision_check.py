@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     machine: dict[str, Any] = {"torch_version": torch.__version__, "device": args.device,
-                               "threads": torch.get_num_threads()}  # fmt: skip
+                               "threads": torch.get_num_threads(),
+                               "cpu_allocator": common.apply_cpu_allocator(args)}  # fmt: skip
     if args.device == "cpu":
         machine["bf16"] = cpu_bf16_support(args.bf16_probe_size or None)
         b = machine["bf16"]

@@ -1306,8 +1306,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     veca_config, dinov3_config = build_configs(args)
     modes = ["model", "block"] if args.mode == "both" else [args.mode]
+    allocator = common.apply_cpu_allocator(args)
     machine = machine_info(args)
-    log(f"device {machine['device_name']}, torch {machine['torch_version']}, {machine['torch_num_threads']} threads")
+    machine["cpu_allocator"] = allocator
+    log(
+        f"device {machine['device_name']}, torch {machine['torch_version']}, {machine['torch_num_threads']} threads, "
+        f"glibc malloc settings: {'veca_hf' if allocator['tuned'] else 'default'} ({allocator['reason']})"
+    )
 
     gemm_dtype = GEMM_DTYPES[args.dtype]
     if machine.get("bf16"):

@@ -342,8 +342,8 @@ def test_trust_remote_code_without_package(tmp_path):
     save_with_processor(model, folder)
 
     files = set(os.listdir(folder))
-    code = {"modeling_veca.py", "positions_veca.py", "configuration_veca.py", "image_processing_veca.py",
-            "image_processing_pil_veca.py"}  # fmt: skip
+    code = {"modeling_veca.py", "positions_veca.py", "allocator_veca.py", "configuration_veca.py",
+            "image_processing_veca.py", "image_processing_pil_veca.py"}  # fmt: skip
     assert code <= files
     assert {"config.json", "preprocessor_config.json", "model.safetensors"} <= files
     config_json = json.loads((folder / "config.json").read_text())

@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available
 
+from .allocator_veca import cpu_allocator_state, tune_cpu_allocator
 from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .image_processing_pil_veca import VecaImageProcessorPil
 from .image_processing_veca import VecaImageProcessor
@@ -87,4 +88,6 @@ __all__ = [
     "VecaModel",
     "VecaModelOutput",
     "VecaPreTrainedModel",
+    "cpu_allocator_state",
+    "tune_cpu_allocator",
 ]
