@@ -231,6 +231,23 @@ def test_distill_step_breakdown_and_paired_ratios(tmp_path):
         assert p["images_per_s"] == pytest.approx(2 / statistics.median(samples))
 
 
+def test_feature_extraction_pipeline_loop_and_model_agree(tmp_path):
+    run_script("feature_extraction.py", "--tiny", "--resolutions", "64", "--batch_sizes", "2", "--budgets", "8,16",
+               "--num_images", "4", "--rounds", "2", "--image_size", "96x80", "--threads", "1",
+               "--output_dir", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    cells = {(c["model"], c["path"]): c for c in result["cells"]}
+    assert set(cells) == {(m, p) for m in ("DINOv3", "VECA C=8", "VECA C=16") for p in ("pipeline", "loop", "model")}
+    for cell in cells.values():
+        assert len(cell["seconds"]) == 2 and cell["images_per_s"] == pytest.approx(4 / statistics.median(cell["seconds"]))
+        assert cell["max_abs_difference_to_pipeline"] <= 1e-5  # three ways to the same features
+    for entry in result["summary"]:
+        dinov3 = cells[("DINOv3", entry["path"])]["images_per_s"]
+        assert entry["speedup_vs_dinov3"] == pytest.approx(entry["images_per_s"] / dinov3)
+    assert result["machine"]["cpu_allocator"]["settings"]["M_MMAP_MAX"] == 0
+    assert "| 64 | 2 | VECA C=16 |" in (tmp_path / "results.md").read_text()
+
+
 def test_cpu_bf16_support_flags_only():
     from veca_hf.hardware import cpu_bf16_support
 
