@@ -239,7 +239,8 @@ def test_feature_extraction_pipeline_loop_and_model_agree(tmp_path):
     cells = {(c["model"], c["path"]): c for c in result["cells"]}
     assert set(cells) == {(m, p) for m in ("DINOv3", "VECA C=8", "VECA C=16") for p in ("pipeline", "loop", "model")}
     for cell in cells.values():
-        assert len(cell["seconds"]) == 2 and cell["images_per_s"] == pytest.approx(4 / statistics.median(cell["seconds"]))
+        assert len(cell["seconds"]) == 2
+        assert cell["images_per_s"] == pytest.approx(4 / statistics.median(cell["seconds"]))
         assert cell["max_abs_difference_to_pipeline"] <= 1e-5  # three ways to the same features
     for entry in result["summary"]:
         dinov3 = cells[("DINOv3", entry["path"])]["images_per_s"]
