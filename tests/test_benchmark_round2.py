@@ -249,6 +249,18 @@ def test_feature_extraction_pipeline_loop_and_model_agree(tmp_path):
     assert "| 64 | 2 | VECA C=16 |" in (tmp_path / "results.md").read_text()
 
 
+def test_research_form_computes_veca_and_is_timed_in_pairs(tmp_path):
+    run_script("research_form.py", "--tiny", "--resolutions", "64,96", "--budget", "16", "--warmup", "0",
+               "--repeats", "3", "--threads", "1", "--output_dir", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [p["resolution"] for p in result["points"]] == [64, 96]
+    for point in result["points"]:
+        assert point["max_abs_difference"] < 1e-4  # the converted weights give the research form's outputs
+        veca, research = point["seconds"]["VECA"], point["seconds"]["research form"]
+        assert len(veca) == len(research) == 3
+        assert point["paired_ratio"] == pytest.approx(_paired(veca, research), rel=1e-12)
+
+
 def test_cpu_bf16_support_flags_only():
     from veca_hf.hardware import cpu_bf16_support
 

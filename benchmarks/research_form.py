@@ -1,0 +1,234 @@
+# Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
+"""`VecaModel` against a plain transcription of the paper's efficient forward (the research code's form), same weights.
+
+The research code itself is not on these machines. `ResearchFormVeca` below is written from the paper's description
+(arXiv 2605.12491) and the released checkpoints' layout (docs/conversion.md), the way a research implementation
+reads: separate `q`/`k`/`v` linears, RoPE on interleaved channel pairs recomputed in every block (the cores move),
+two SDPA calls per block (cores over all tokens, patches over the cores, the keys sliced), SwiGLU as `fc1`, split,
+`silu(u) * g`, `fc2`. Its weights go through `veca_hf.convert_veca_original` into a `VecaModel`, so both compute the
+same function; the script checks that (max abs difference of the outputs) before timing.
+
+    python benchmarks/research_form.py --size veca-b16 --resolutions 512,1024 --budget 64 --repeats 5 --threads 2
+
+Timing as in `scaling.py`: interleaved rounds (the order alternates), latency = median, and the paired ratio = the
+median over rounds of VECA's time over the research form's in that round. Outputs in `--output_dir` (default
+`benchmarks/results/<size>_research_form_<device>_fp32`): `results.json`, `results.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import common  # first: the offline Hub defaults, and veca_hf from a source checkout
+import scaling
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veca_hf import VecaModel
+from veca_hf.convert_veca_original import convert_state_dict, infer_config
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.norm_attn = nn.LayerNorm(hidden_size, eps=1e-5)
+        self.attn = nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            setattr(self.attn, name, nn.Linear(hidden_size, hidden_size))
+        self.norm_ffn = nn.LayerNorm(hidden_size, eps=1e-5)
+        self.fc1 = nn.Linear(hidden_size, 2 * intermediate_size)
+        self.fc2 = nn.Linear(intermediate_size, hidden_size)
+
+
+class ResearchFormVeca(nn.Module):
+    """VECA in the reference checkpoints' parameter layout, eval mode, with the paper's two-call attention."""
+
+    def __init__(self, hidden_size, num_heads, num_layers, intermediate_size, num_cores=64, chunk=8, patch_size=16):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, hidden_size, patch_size, stride=patch_size)
+        chunks = num_cores // chunk
+        self.query_token_chunks = nn.ParameterList(
+            [nn.Parameter(torch.randn(1, chunk, hidden_size) / math.sqrt(hidden_size)) for _ in range(chunks)]
+        )
+        self.qcoord_chunks = nn.ParameterList([nn.Parameter(torch.rand(1, chunk, 2) - 0.5) for _ in range(chunks)])
+        self.pos_linears = nn.ModuleList([nn.Linear(hidden_size, 2) for _ in range(num_layers - 1)])
+        self.pos_alpha = nn.Parameter(torch.full((num_layers - 1,), 0.01))
+        self.blocks = nn.ModuleList([_Block(hidden_size, intermediate_size) for _ in range(num_layers)])
+        self.final_norm = nn.LayerNorm(hidden_size, eps=1e-5)
+        frequencies = self.head_dim // 4
+        periods = 100.0 ** (2.0 * torch.arange(frequencies, dtype=torch.float32) / (self.head_dim / 2))
+        inverse = 1.0 / periods
+        inverse[frequencies - round(0.125 * frequencies) :] = 0.0  # the last eighth is not rotated
+        self.register_buffer("inverse_periods", inverse, persistent=False)
+
+    def rope_tables(self, coordinates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of `(B, T, 2)` coordinates: `(B, 1, T, Hd/2)`, x angles then y angles."""
+        angles = 2 * math.pi * coordinates[..., None] * self.inverse_periods  # (B, T, 2, Hd/4)
+        angles = angles.flatten(-2)[:, None]
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on interleaved channel pairs `(2m, 2m + 1)` of `(B, H, T, Hd)`."""
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+
+    def attention(self, block: _Block, hidden: torch.Tensor, cos, sin, num_cores: int) -> torch.Tensor:
+        batch, tokens, width = hidden.shape
+        heads = [
+            proj(hidden).view(batch, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)
+        ]
+        q, k, v = self.rotate(heads[0], cos, sin), self.rotate(heads[1], cos, sin), heads[2]
+        cores = F.scaled_dot_product_attention(q[:, :, :num_cores], k, v)  # cores over all tokens
+        patches = F.scaled_dot_product_attention(q[:, :, num_cores:], k[:, :, :num_cores], v[:, :, :num_cores])
+        out = torch.cat((cores, patches), dim=2).transpose(1, 2).reshape(batch, tokens, width)
+        return block.attn.out_proj(out)
+
+    def forward(self, pixel_values: torch.Tensor, num_cores: int) -> torch.Tensor:
+        patches = self.patch_embed.proj(pixel_values)  # (B, D, Hp, Wp)
+        batch, _, grid_h, grid_w = patches.shape
+        cores = torch.cat(list(self.query_token_chunks), dim=1)[:, :num_cores].expand(batch, -1, -1)
+        rho = torch.cat(list(self.qcoord_chunks), dim=1)[:, :num_cores].expand(batch, -1, -1)
+        x = torch.cat((cores, patches.flatten(2).transpose(1, 2)), dim=1)  # (B, C + N, D)
+        ys, xs = torch.meshgrid(
+            (torch.arange(grid_h) + 0.5) / grid_h * 2 - 1, (torch.arange(grid_w) + 0.5) / grid_w * 2 - 1, indexing="ij"
+        )
+        patch_coordinates = torch.stack((xs, ys), -1).reshape(1, -1, 2).to(x).expand(batch, -1, -1)
+        for index, block in enumerate(self.blocks):
+            if index > 0:
+                rho = rho + self.pos_alpha[index - 1] * self.pos_linears[index - 1](x[:, :num_cores])
+            cos, sin = self.rope_tables(torch.cat((torch.tanh(rho), patch_coordinates), dim=1))
+            x = x + self.attention(block, block.norm_attn(x), cos, sin, num_cores)
+            u, g = block.fc1(block.norm_ffn(x)).chunk(2, dim=-1)
+            x = x + block.fc2(F.silu(u) * g)
+        return self.final_norm(x)
+
+
+def build_pair(size: str, tiny: bool, seed: int) -> tuple[ResearchFormVeca, VecaModel]:
+    """A seeded research-form model and the `VecaModel` converted from its weights."""
+    veca_config, _ = scaling.preset_configs(size, tiny, [8])
+    torch.manual_seed(seed)
+    research = ResearchFormVeca(
+        veca_config.hidden_size,
+        veca_config.num_attention_heads,
+        veca_config.num_hidden_layers,
+        veca_config.intermediate_size,
+        veca_config.num_core_tokens,
+        veca_config.core_chunk_size,
+        veca_config.patch_size,
+    ).eval()
+    with torch.no_grad():  # non-trivial biases, norms and coordinate heads, so that every part matters
+        for name, parameter in research.named_parameters():
+            if name.endswith("bias") or "norm" in name or "pos_linears" in name:
+                parameter.add_(0.02 * torch.randn_like(parameter))
+    state_dict = research.state_dict()
+    config = infer_config(state_dict, {"num_heads": veca_config.num_attention_heads})
+    model = VecaModel(config).eval()
+    model.load_state_dict(convert_state_dict(state_dict, config))
+    return research, model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = common.argument_parser(__doc__.split("\n\n")[0], resolutions=[512, 1024])
+    parser.add_argument("--budget", type=int, default=64, help="VECA budget C.")
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="Untimed calls per model and resolution.")
+    parser.add_argument("--repeats", type=int, default=5, help="Timed rounds.")
+    parser.add_argument("--output_dir", default=None)
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.output_dir is None:
+        name = f"{args.size}_research_form_{args.device}_fp32" + ("_tiny" if args.tiny else "")
+        args.output_dir = str(Path(__file__).resolve().parent / "results" / name)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    allocator = common.apply_cpu_allocator(args)
+    machine = scaling.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
+    machine["cpu_allocator"] = allocator
+    device = torch.device(args.device)
+    research, model = (m.to(device) for m in build_pair(args.size, args.tiny, args.seed))
+    calls = {
+        "VECA": lambda pixels: model(pixels, num_core_tokens=args.budget).last_hidden_state,
+        "research form": lambda pixels: research(pixels, args.budget),
+    }
+    points = []
+    generator = torch.Generator().manual_seed(args.seed)
+    for resolution in args.resolutions:
+        pixels = torch.randn(args.batch_size, 3, resolution, resolution, generator=generator).to(device)
+        with torch.inference_mode():
+            difference = (calls["VECA"](pixels) - calls["research form"](pixels)).abs().max().item()
+            for name in calls:
+                for _ in range(args.warmup):
+                    calls[name](pixels)
+            samples = {name: [] for name in calls}
+            for round_index in range(args.repeats):
+                order = list(calls) if round_index % 2 == 0 else list(reversed(calls))
+                for name in order:
+                    samples[name].append(scaling.time_call(lambda name=name, x=pixels: calls[name](x), device))
+        veca, baseline = samples["VECA"], samples["research form"]
+        point = {
+            "resolution": resolution,
+            "num_patches": (resolution // model.config.patch_size) ** 2,
+            "budget": args.budget,
+            "batch_size": args.batch_size,
+            "max_abs_difference": difference,
+            "seconds": samples,
+            "median_seconds": {name: statistics.median(values) for name, values in samples.items()},
+            "ratio": statistics.median(veca) / statistics.median(baseline),
+            "paired_ratio": statistics.median(a / b for a, b in zip(veca, baseline, strict=True)),
+        }
+        points.append(point)
+        print(
+            f"{resolution} px: VECA {point['median_seconds']['VECA']:.3f} s, research form "
+            f"{point['median_seconds']['research form']:.3f} s, ratio {point['ratio']:.3f} (paired "
+            f"{point['paired_ratio']:.3f}), max abs difference {difference:.1e}",
+            flush=True,
+        )
+    machine["loadavg_end"] = scaling._loadavg()
+    result = {
+        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "args": vars(args),
+        "machine": machine,
+        "points": points,
+    }
+    lines = [
+        f"# VECA against the research form: {args.size}{' (tiny)' if args.tiny else ''}, {args.device}, fp32, "
+        f"batch {args.batch_size}, C = {args.budget}",
+        "",
+        f"- command: `{result['command']}`",
+        f"- machine: {machine['cpu_model']}; torch {machine['torch_version']}; {machine['torch_num_threads']} "
+        f"threads; load average start {machine['loadavg_start']}, end {machine['loadavg_end']}; glibc malloc "
+        f"settings {'veca_hf' if allocator['tuned'] else 'default'}",
+        f"- {args.warmup} warm-up call(s), {args.repeats} interleaved rounds; ratio = VECA / research form",
+        "",
+        "| res | N | VECA s | research form s | ratio (paired) | max abs difference |",
+        "|---|---|---|---|---|---|",
+    ] + [
+        f"| {p['resolution']} | {p['num_patches']} | {p['median_seconds']['VECA']:.3f} | "
+        f"{p['median_seconds']['research form']:.3f} | {p['ratio']:.3f} ({p['paired_ratio']:.3f}) | "
+        f"{p['max_abs_difference']:.1e} |"
+        for p in points
+    ]
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    common.write_results(output_dir, result, "\n".join(lines) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
