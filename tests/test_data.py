@@ -4,6 +4,7 @@ Every dataset is generated in a temporary folder. Each good image is one constan
 its mode, so an output tensor identifies its example by its mean (`_key`), across ranks, workers and epochs.
 """
 
+import functools
 import io
 import itertools
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image, ImageFilter
@@ -33,6 +35,7 @@ from veca_hf.data import (
     resize_batch,
     resume_plan,
 )
+from veca_hf.data.resume import POSITION_COLUMN, ParquetResume, parquet_files_of
 from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
 from veca_hf.image_processing_veca import VecaImageProcessor
 
@@ -582,6 +585,87 @@ def test_infinite_batches_on_an_empty_split_raise_the_callers_message(parquet_fo
                 _stream(empty), loader_kwargs, 0, {"epoch": 0, "batches": 0}, "the held-out split took every image"
             )
         )
+
+
+@pytest.fixture(scope="module")
+def row_group_folder(tmp_path_factory) -> Path:
+    """5 parquet shards of 10-17 noise images each, in row groups of 4 (ids 0..64 in the `id` column)."""
+    folder = tmp_path_factory.mktemp("row_groups")
+    rng = np.random.default_rng(3)
+    next_id = 0
+    for shard, count in enumerate([12, 17, 10, 13, 13]):
+        images = [Image.fromarray(rng.integers(0, 256, (36, 40, 3), dtype=np.uint8)) for _ in range(count)]
+        ids = list(range(next_id, next_id + count))
+        next_id += count
+        table = datasets.Dataset.from_dict({"image": images, "id": ids}).cast_column("image", datasets.Image())
+        pq.write_table(table.data.table, folder / f"part-{shard:05d}.parquet", row_group_size=4)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-core machine
+@pytest.mark.parametrize("world_size, rank, num_workers", [(1, 0, 0), (2, 1, 0), (1, 0, 2), (2, 0, 3)])
+def test_position_twin_streams_in_the_real_order(row_group_folder, world_size, rank, num_workers):
+    """The resume of parquet shards rests on this: the twin of row positions, shuffled, split and read by workers
+    as the real shards are (also after a held-out `skip` or `take`), yields the same rows in the same order (a change
+    in `datasets` would fail here)."""
+    loaded = _load(str(row_group_folder))
+    for dataset, operations in ((loaded, []), (loaded.skip(5), ["skip"]), (loaded.take(30), ["take"])):
+        files, options, replayed = parquet_files_of(dataset)
+        assert [operation for operation, _ in replayed] == operations
+        resume = ParquetResume(files, options, "id", dataset.features["id"], replayed)
+        twin = resume.build()
+        ids = {  # position -> id, read from the shards
+            (shard << 40) + row: value
+            for shard in range(len(files))
+            for group in range(len(resume.boundaries[shard]) - 1)
+            for row, value in enumerate(resume.read_group(shard, group), start=int(resume.boundaries[shard][group]))
+        }
+        stream = _stream(dataset, seed=4, shuffle_buffer_size=8, rank=rank, world_size=world_size)
+        for epoch in (0, 1):
+            real = stream._rank_dataset(epoch, dataset).select_columns(["id"])
+            positions = stream._rank_dataset(epoch, twin)
+            load = functools.partial(torch.utils.data.DataLoader, batch_size=None, num_workers=num_workers)
+            expected = [int(example["id"]) for example in load(real.with_format("torch"))]
+            actual = [ids[int(example[POSITION_COLUMN])] for example in load(positions.with_format("torch"))]
+            assert actual == expected and len(expected) > 10
+    assert parquet_files_of(loaded.map(lambda example: example)) is None  # anything else: no twin
+
+
+def test_parquet_resume_reads_only_the_row_groups_still_needed(row_group_folder, monkeypatch):
+    """Resumed mid-epoch, the stream yields exactly the rest of the epoch and reads each row group holding a sample
+    still to come once, and no other (what was consumed, and is out of the shuffle buffer, is not read)."""
+    dataset = _load(str(row_group_folder))
+    reads = []
+    read_group = ParquetResume.read_group
+    monkeypatch.setattr(
+        ParquetResume,
+        "read_group",
+        lambda self, shard, group: reads.append((shard, group)) or read_group(self, shard, group),
+    )
+
+    def run(skip):
+        stream = _stream(dataset, seed=6, shuffle_buffer_size=8)
+        stream.set_epoch(1)
+        stream.set_skip(skip)
+        return stream, list(stream)
+
+    _, full = run(None)
+    assert not reads and len(full) == 65
+    for skip in (1, 20, 41, 64):
+        reads.clear()
+        stream, rest = run([skip])
+        assert stream._resume is not None
+        assert [item["source"] for item in rest] == [item["source"] for item in full[skip:]]
+        for a, b in zip(full[skip:], rest, strict=True):
+            assert torch.equal(a["pixel_values"], b["pixel_values"])
+        # the row groups that hold a sample still to come, from the twin's positions
+        twin_positions = stream._indexed_values(stream._rank_dataset(1, stream._twin), 1, 0, skip, POSITION_COLUMN)
+        needed = set()
+        for _, _, position in twin_positions:
+            shard, row = position >> 40, position & ((1 << 40) - 1)
+            needed.add((shard, int(np.searchsorted(stream._resume.boundaries[shard], row, side="right")) - 1))
+        assert sorted(reads) == sorted(needed)  # each once, nothing else
+    assert len(needed) < 18  # 18 row groups in all: the end of the epoch needs few of them
 
 
 def test_skipped_samples_are_not_decoded(image_folder, monkeypatch):

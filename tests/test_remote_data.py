@@ -13,6 +13,7 @@ import time
 import datasets
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from safetensors.torch import load_file
 from shard_server import ShardServer
@@ -26,7 +27,15 @@ from test_distill_script import (  # noqa: F401 (workspace: the fixture)
     workspace,
 )
 
-from veca_hf.data import StreamRetries, check_shard_count, expand_braces, load_image_dataset, parse_storage_options
+from veca_hf.data import (
+    ImageStream,
+    StreamRetries,
+    build_transform,
+    check_shard_count,
+    expand_braces,
+    load_image_dataset,
+    parse_storage_options,
+)
 from veca_hf.data.sources import _filesystem, resolve_remote_files, split_sources
 
 
@@ -108,6 +117,41 @@ def test_retried_reads_yield_the_bytes_of_clean_reads(shards):
         injected = [r for r in server.requests if r[2] is not None]
     assert len(clean) == NUM_SHARDS * 8 and flaky == clean
     assert sorted(fault for _, _, fault in injected) == ["503", "503", "drop", "stall"]
+
+
+def _bytes_served(requests) -> int:
+    """Bytes the server sent for ranged GETs (data reads; HEAD and whole-file GETs are not counted)."""
+    total = 0
+    for _, header, _ in requests:
+        if header:
+            start, end = header.removeprefix("bytes=").split("-")
+            total += int(end) - int(start) + 1 if end else 0
+    return total
+
+
+def test_a_resumed_epoch_reads_only_the_row_groups_it_still_needs(shards):
+    """Resumed near the end of an epoch, the stream yields the rest exactly and downloads a fraction of the shards:
+    consumed row groups (out of the shuffle buffer) are not read again, only the footers and what is still to come."""
+    transform = build_transform(32, train=True)
+
+    def stream(server, skip=None):
+        dataset = load_image_dataset(server.url("train-{00000..00007}.parquet"), storage_options={"block_size": 1024})
+        images = ImageStream(dataset, "image", transform, seed=3, shuffle_buffer_size=4)
+        images.set_epoch(1)
+        images.set_skip(skip)
+        return list(images)
+
+    with ShardServer(shards) as server:
+        full = stream(server)
+        epoch_bytes = _bytes_served(server.requests)
+        server.requests.clear()
+        rest = stream(server, skip=[56])
+        resumed_bytes = _bytes_served(server.requests)
+    assert len(full) == NUM_SHARDS * 8 and len(rest) == 8
+    for a, b in zip(full[56:], rest, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+    # 8 of 64 samples to come: their row groups (4 images each) and the buffer's, plus 8 footers
+    assert resumed_bytes < 0.35 * epoch_bytes, (resumed_bytes, epoch_bytes)
 
 
 REMOTE_RUN = dict(max_train_steps=12, checkpointing_steps=2, validation_steps=100, validation_size=4,

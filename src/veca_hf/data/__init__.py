@@ -11,7 +11,8 @@ The pieces, in the order a training script uses them:
    paper's settings at crop `r` (short side `r * 288 / 256`).
 3. `ImageStream` turns the dataset into a per-epoch, per-rank stream of transformed tensors. It is exactly
    reproducible: replaying the same epoch gives bit-identical tensors, which is what exact resume relies on
-   (rebuild the stream and skip, before decoding, the samples already consumed: `resume_plan`, `set_skip`).
+   (rebuild the stream and skip, before decoding, the samples already consumed: `resume_plan`, `set_skip`; parquet
+   shards are replayed on a twin of row positions and their consumed row groups are not read, `resume`).
 4. `collate_images` batches it and counts the images that could not be used; `resize_batch` downsizes a batch for
    per-step multi-resolution training.
 

@@ -14,6 +14,7 @@ from datasets.distributed import split_dataset_by_node
 from transformers.utils import logging
 
 from .decoding import decode_image
+from .resume import POSITION_COLUMN, ParquetResume, parquet_files_of
 from .sources import detect_image_column, is_transient_network_error, remote_url_in_error
 
 
@@ -46,8 +47,10 @@ class ImageStream(torch.utils.data.IterableDataset):
     (rebuild the stream, skip what was consumed), as long as `num_workers` is unchanged.
 
     Resuming mid-epoch: `set_skip` makes each worker pass over its first samples without decoding or augmenting
-    them (the undecoded bytes are still read, and go through the shuffle buffer); `resume_plan` computes the counts
-    from the batches each worker had delivered. A sample's index, hence its augmentation, does not change.
+    them; `resume_plan` computes the counts from the batches each worker had delivered. A sample's index, hence its
+    augmentation, does not change. Parquet shards are not read again for what was consumed: the epoch is replayed on
+    a twin of row positions and only the row groups still needed are read (`veca_hf.data.resume`); other formats
+    read the consumed samples' bytes again and pass them through the shuffle buffer undecoded.
 
     NOTE: do not pass a DataLoader over this stream to `accelerator.prepare` in multi-process runs: with batch
     dispatching off, Accelerate wraps any iterable dataset in `IterableDatasetShard`, which keeps only 1/world_size
@@ -119,6 +122,8 @@ class ImageStream(torch.utils.data.IterableDataset):
         # NOTE: in shared memory (as `datasets` does), so persistent DataLoader workers see `set_epoch` too.
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.skip_samples: tuple[int, ...] | None = None
+        self._resume: ParquetResume | None = None  # built by the first `set_skip` that skips anything
+        self._twin: datasets.IterableDataset | None = None
 
     @property
     def epoch(self) -> int:
@@ -149,10 +154,32 @@ class ImageStream(torch.utils.data.IterableDataset):
                     f"`samples_per_worker` must be non-negative counts, one per worker, got {samples_per_worker}."
                 )
         self.skip_samples = samples_per_worker
+        if samples_per_worker is not None and max(samples_per_worker) > 0 and self._resume is None:
+            self._build_resume()
 
-    def _rank_dataset(self, epoch: int) -> datasets.IterableDataset:
-        """This rank's part of the epoch: shuffled with the shared seed, then split by node."""
-        dataset = self.dataset
+    def _build_resume(self) -> None:
+        """The position twin of parquet shards, so that the resumed epoch reads only the row groups it needs."""
+        source = parquet_files_of(self.dataset)
+        if source is None:
+            return
+        files, storage_options, operations = source
+        feature = self.dataset.features[self.image_column]
+        resume = ParquetResume(files, storage_options, self.image_column, feature, operations)
+        try:
+            self._twin = resume.build()
+        except Exception as error:  # NOTE: never worse than before: the stream reads the consumed part again
+            logger.warning(
+                f"Could not read the row groups of the {len(files)} parquet shard(s) ({type(error).__name__}: "
+                f"{error}); the resumed epoch reads its consumed samples again instead."
+            )
+            return
+        self._resume = resume
+        logger.info(f"Resuming on the row positions of {len(files)} parquet shard(s): skips consumed row groups.")
+
+    def _rank_dataset(self, epoch: int, dataset: datasets.IterableDataset | None = None) -> datasets.IterableDataset:
+        """This rank's part of the epoch (of `dataset`, default the stream's): shuffled with the shared seed, then
+        split by node."""
+        dataset = self.dataset if dataset is None else dataset
         if self.shuffle_buffer_size > 0:
             dataset = dataset.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer_size)
             # NOTE: only on the shuffled copy: `set_epoch(e > 0)` alone would also reorder the shards.
@@ -162,23 +189,33 @@ class ImageStream(torch.utils.data.IterableDataset):
         return dataset
 
     def _indexed_values(
-        self, dataset: datasets.IterableDataset, num_workers: int, worker_id: int, skip: int | None = None
+        self, dataset: datasets.IterableDataset, num_workers: int, worker_id: int, skip: int, column: str
     ):
-        """Yield `(stream, index, value)` for the examples this process (or DataLoader worker) must decode, passing
-        over its first `skip` samples (default: `set_skip`'s count) undecoded."""
-        if skip is None:
-            skip = self.skip_samples[worker_id] if self.skip_samples is not None else 0
+        """Yield `(stream, index, value)` of `column` for the examples this process (or DataLoader worker) must
+        decode, passing over its first `skip` samples undecoded."""
         if num_workers > 1 and dataset.num_shards >= num_workers:
             # Inside a worker, iterating a `datasets.IterableDataset` gives this worker whole shards.
             for index, example in enumerate(dataset):
                 if index >= skip:
-                    yield worker_id + 1, index, example[self.image_column]
+                    yield worker_id + 1, index, example[column]
             return
         # NOTE: `.iter()` does not split by worker (plain iteration would leave all but one worker idle on a
         # single-shard stream): every worker walks the same undecoded stream and keeps its own round-robin share.
         for index, batch in enumerate(dataset.iter(batch_size=1)):
             if index % num_workers == worker_id and index // num_workers >= skip:
-                yield 0, index, batch[self.image_column][0]
+                yield 0, index, batch[column][0]
+
+    def _values(self, epoch: int, num_workers: int, worker_id: int, skip: int):
+        """`_indexed_values` of the image column from this worker's `skip`-th sample; on the position twin of
+        parquet shards when one is built and something is skipped (see the class docstring)."""
+        if self._resume is None or skip == 0:
+            return self._indexed_values(self._rank_dataset(epoch), num_workers, worker_id, skip, self.image_column)
+
+        def positions():
+            twin = self._rank_dataset(epoch, self._twin)
+            return self._indexed_values(twin, num_workers, worker_id, 0, POSITION_COLUMN)
+
+        return self._resume.values(positions(), positions(), skip)
 
     def _transform(self, image: PIL.Image.Image, seed: int) -> torch.Tensor:
         """The transform, drawing from a generator seeded for this sample; the global CPU RNG is restored."""
@@ -196,8 +233,9 @@ class ImageStream(torch.utils.data.IterableDataset):
                 f"{num_workers} DataLoader worker(s): resume with the number of workers the checkpoint was written "
                 "with."
             )
-        values = self._indexed_values(self._rank_dataset(epoch), num_workers, worker_id)
-        next_skip, failures = None, 0  # where to reopen the stream after a network fault; faults in a row
+        next_skip = self.skip_samples[worker_id] if self.skip_samples is not None else 0
+        values = self._values(epoch, num_workers, worker_id, next_skip)
+        failures = 0  # network faults in a row; `next_skip`: where to reopen the stream after one
         while True:
             try:
                 stream, index, value = next(values)
@@ -221,7 +259,7 @@ class ImageStream(torch.utils.data.IterableDataset):
                             f"{wait:g} s."
                         )
                         time.sleep(wait)
-                        values = self._indexed_values(self._rank_dataset(epoch), num_workers, worker_id, next_skip)
+                        values = self._values(epoch, num_workers, worker_id, next_skip)
                         continue
                     raise RuntimeError(
                         f"Reading {url} failed for good (rank {self.rank}, epoch {epoch}, DataLoader worker "
