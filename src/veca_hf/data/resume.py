@@ -84,6 +84,12 @@ def _open(file: str, storage_options: dict):
     return filesystem.open(path, "rb", cache_type="none")
 
 
+def _remove_if_owner(directory: str, owner: int) -> None:
+    """Remove the twin's folder, from the process that wrote it only (forked DataLoader workers share the object)."""
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _read_metadata(handle) -> pq.FileMetaData:
     """A parquet file's metadata from its footer alone (two small reads at the end, whatever the file's size)."""
     size = handle.seek(0, os.SEEK_END)
@@ -131,7 +137,7 @@ class ParquetResume:
     def build(self) -> datasets.IterableDataset:
         """Read every shard's footer and write the twin (in a temporary folder removed when this object goes)."""
         self._directory = tempfile.mkdtemp(prefix="veca_hf_resume_")
-        weakref.finalize(self, shutil.rmtree, self._directory, True)
+        weakref.finalize(self, _remove_if_owner, self._directory, os.getpid())
         for shard, file in enumerate(self.files):
             with _open(file, self.storage_options) as handle:
                 metadata = _read_metadata(handle)
