@@ -36,6 +36,7 @@ from veca_hf.data import (
     load_image_dataset,
     parse_storage_options,
 )
+from veca_hf.data.resume import _options_for
 from veca_hf.data.sources import _filesystem, resolve_remote_files, split_sources
 
 
@@ -152,6 +153,15 @@ def test_a_resumed_epoch_reads_only_the_row_groups_it_still_needs(shards):
         assert torch.equal(a["pixel_values"], b["pixel_values"])
     # 8 of 64 samples to come: their row groups (4 images each) and the buffer's, plus 8 footers
     assert resumed_bytes < 0.35 * epoch_bytes, (resumed_bytes, epoch_bytes)
+
+
+def test_the_resume_reader_picks_storage_options_as_datasets_does():
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}, "hf": {"token": None}}
+    assert _options_for("s3://bucket/a.parquet", options) == {
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}
+    }
+    assert _options_for("hf://datasets/org/name/a.parquet", options) == {"token": None}
+    assert _options_for("/data/a.parquet", {"hf": {"token": None}}) == {}
 
 
 REMOTE_RUN = dict(max_train_steps=12, checkpointing_steps=2, validation_steps=100, validation_size=4,

@@ -104,11 +104,14 @@ def _read_metadata(handle) -> pq.FileMetaData:
 
 
 def _options_for(file: str, storage_options: dict) -> dict:
-    """`datasets` keys storage options by protocol (`{"hf": {...}, "https": {...}}`); fsspec wants the file's own."""
+    """The fsspec options of `file`, picked from `datasets`' storage options as `datasets` picks them: the entry of
+    the file's protocol if there is one, else every option that is not another protocol's entry."""
+    import fsspec
+
     protocol = file.split("://", 1)[0] if "://" in file else "file"
-    if any(isinstance(value, dict) for value in storage_options.values()):
-        return dict(storage_options.get(protocol, {}))
-    return dict(storage_options)
+    if protocol in storage_options:
+        return dict(storage_options[protocol])
+    return {key: value for key, value in storage_options.items() if key not in fsspec.available_protocols()}
 
 
 class ParquetResume:
@@ -116,11 +119,11 @@ class ParquetResume:
 
     Args:
         files (`Sequence[str]`): the shards, in `datasets`' order (from [`parquet_files_of`]).
-        storage_options (`dict`): their fsspec options.
-        operations (`list`): the `skip`/`take` the stream applies (from [`parquet_files_of`]).
+        storage_options (`dict`): their fsspec options (`datasets`' form, keyed by protocol or flat).
         column (`str`): the column to read (the image column).
         feature: its `datasets` feature after the stream's cast (e.g. `Image(decode=False)`), so that a value read
             here equals the value `datasets` streams.
+        operations (`list`): the `skip`/`take` the stream applies (from [`parquet_files_of`]).
     """
 
     def __init__(self, files: Sequence[str], storage_options: dict, column: str, feature, operations=()):
