@@ -140,6 +140,7 @@ def test_a_resumed_epoch_reads_only_the_row_groups_it_still_needs(shards):
         images = ImageStream(dataset, "image", transform, seed=3, shuffle_buffer_size=4)
         images.set_epoch(1)
         images.set_skip(skip)
+        assert (images._resume is not None) == bool(skip)  # resumed on the row positions
         return list(images)
 
     with ShardServer(shards) as server:
@@ -148,9 +149,16 @@ def test_a_resumed_epoch_reads_only_the_row_groups_it_still_needs(shards):
         server.requests.clear()
         rest = stream(server, skip=[56])
         resumed_bytes = _bytes_served(server.requests)
-    assert len(full) == NUM_SHARDS * 8 and len(rest) == 8
-    for a, b in zip(full[56:], rest, strict=True):
-        assert torch.equal(a["pixel_values"], b["pixel_values"])
+        # 503s and dropped connections while the resumed stream reads the footers (retried) and then its row groups
+        # (the stream reopened where it was): the same samples
+        StreamRetries(5, 0.05).configure()
+        server.faults = {f"/train-{shard:05d}.parquet": ["503", "drop", "503"] for shard in range(NUM_SHARDS)}
+        flaky = stream(server, skip=[56])
+        injected = [request for request in server.requests if request[2] is not None]
+    assert len(full) == NUM_SHARDS * 8 and len(rest) == len(flaky) == 8
+    assert len(injected) > 2 * NUM_SHARDS  # two faults per footer, and more in the row groups read afterwards
+    for a, b, c in zip(full[56:], rest, flaky, strict=True):
+        assert torch.equal(a["pixel_values"], b["pixel_values"]) and torch.equal(a["pixel_values"], c["pixel_values"])
     # 8 of 64 samples to come: their row groups (4 images each) and the buffer's, plus 8 footers
     assert resumed_bytes < 0.35 * epoch_bytes, (resumed_bytes, epoch_bytes)
 

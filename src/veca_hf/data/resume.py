@@ -20,6 +20,7 @@ import io
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,6 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from datasets.table import table_cast
 from transformers.utils import logging
+
+from .sources import is_transient_network_error
 
 
 logger = logging.get_logger(__name__)
@@ -82,6 +85,21 @@ def _open(file: str, storage_options: dict):
     if "file" in filesystem.protocol:
         return filesystem.open(path, "rb")
     return filesystem.open(path, "rb", cache_type="none")
+
+
+def _with_retries(function, url: str):
+    """`function()`, retried on transient network errors as the stream retries opening shards (`--stream_retries`,
+    `--stream_retry_wait`, through `datasets.config`)."""
+    attempts, wait = datasets.config.STREAMING_OPEN_MAX_RETRIES, datasets.config.STREAMING_OPEN_RETRY_INTERVAL
+    for attempt in range(1, attempts + 1):
+        try:
+            return function()
+        except Exception as error:
+            if attempt == attempts or not is_transient_network_error(error):
+                raise
+            logger.warning(f"Reading the footer of {url} failed ({type(error).__name__}: {error}); retry {attempt}/"
+                           f"{attempts - 1} in {wait:g} s.")  # fmt: skip
+            time.sleep(wait)
 
 
 def _remove_if_owner(directory: str, owner: int) -> None:
@@ -142,8 +160,7 @@ class ParquetResume:
         self._directory = tempfile.mkdtemp(prefix="veca_hf_resume_")
         weakref.finalize(self, _remove_if_owner, self._directory, os.getpid())
         for shard, file in enumerate(self.files):
-            with _open(file, self.storage_options) as handle:
-                metadata = _read_metadata(handle)
+            metadata = _with_retries(lambda file=file: self._read_footer(file), file)
             self.metadata.append(metadata)
             sizes = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
             self.boundaries.append(np.cumsum([0, *sizes]))
@@ -155,6 +172,10 @@ class ParquetResume:
                     writer.write_table(table.slice(start, stop - start))
             self.twin_files.append(twin)
         return self.twin()
+
+    def _read_footer(self, file: str) -> pq.FileMetaData:
+        with _open(file, self.storage_options) as handle:
+            return _read_metadata(handle)
 
     def twin(self) -> datasets.IterableDataset:
         """The twin dataset, with the real one's `skip`/`take` (their flags checked: `ValueError` if they differ)."""
@@ -168,9 +189,12 @@ class ParquetResume:
 
     def read_group(self, shard: int, group: int) -> list[Any]:
         """The column's values in one row group of one shard, as `datasets` streams them."""
-        with _open(self.files[shard], self.storage_options) as handle:
-            parquet = pq.ParquetFile(handle, metadata=self.metadata[shard], pre_buffer=False)
-            table = parquet.read_row_group(group, columns=[self.column])
+        try:
+            with _open(self.files[shard], self.storage_options) as handle:
+                parquet = pq.ParquetFile(handle, metadata=self.metadata[shard], pre_buffer=False)
+                table = parquet.read_row_group(group, columns=[self.column])
+        except Exception as error:  # NOTE: name the file, so that the stream's retry and error messages can
+            raise OSError(f"Reading row group {group} of {self.files[shard]} failed: {error}") from error
         table = table_cast(table, datasets.Features({self.column: self.feature}).arrow_schema)
         column = self.feature.decode_example if getattr(self.feature, "decode", False) else None
         values = table.column(self.column).to_pylist()
