@@ -91,9 +91,7 @@ def write_images(folder: Path, count: int, size: tuple[int, int], seed: int) -> 
 
 def save_folders(args: argparse.Namespace, root: Path) -> dict[str, Path]:
     """One saved folder per model and resolution-independent setting: DINOv3, and VECA per budget."""
-    veca_config, dinov3_config = scaling.build_configs(
-        argparse.Namespace(size=args.size, tiny=args.tiny, budgets=args.budgets, attn_implementation="sdpa")
-    )
+    veca_config, dinov3_config = scaling.preset_configs(args.size, args.tiny, args.budgets)
     torch.manual_seed(args.seed)
     folders = {}
     dinov3 = DINOv3ViTModel(dinov3_config).eval()

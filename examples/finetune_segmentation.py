@@ -45,13 +45,13 @@ from veca_hf.arguments import parse_args_with_file
 from veca_hf.dense import (
     SEGMENTATION_HEADS,
     DenseCollator,
+    DenseDataArguments,
     DenseTransform,
     SegmentationMetrics,
     build_dense_processor,
     build_segmentation_model,
     check_columns,
     freeze_backbone,
-    load_dense_dataset,
     prepare_splits,
     resolve_id2label,
 )
@@ -87,35 +87,13 @@ class ModelArguments:
 
 
 @dataclass
-class DataTrainingArguments:
-    """Which data to train and evaluate on."""
+class DataTrainingArguments(DenseDataArguments):
+    """Which data to train and evaluate on (the shared flags of `veca_hf.dense.DenseDataArguments`, and the labels)."""
 
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."}
-    )
-    train_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "Instead of --dataset_name: the training split's Parquet file(s), a path, glob or fsspec URL "
-            "(hf://datasets/org/name@revision/dir/*.parquet)."
-        },
-    )
-    validation_file: str | None = field(
-        default=None, metadata={"help": "With --train_file: the validation split's Parquet file(s)."}
-    )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
-    image_column: str = field(default="image", metadata={"help": "The column holding the images."})
     label_column: str = field(default="label", metadata={"help": "The column holding the label maps."})
     id2label_file: str | None = field(default=None, metadata={"help": "A JSON file {'0': 'wall', ...}."})
     reduce_labels: bool = field(default=False, metadata={"help": "Label 0 is background (ignored); k -> k - 1."})
     ignore_index: int = field(default=255, metadata={"help": "The label of unlabelled pixels."})
-    shortest_edge: int = field(default=512, metadata={"help": "Images are resized to about this short side."})
-    longest_edge: int | None = field(default=None, metadata={"help": "Bound the long side too."})
-    train_val_split: float = field(
-        default=0.15, metadata={"help": "Fraction of train held out for validation when there is no validation split."}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training images."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many validation images."})
 
 
 def main():
@@ -129,14 +107,7 @@ def main():
     logger.info(f"Training/evaluation parameters {training_args}")
     transformers.set_seed(training_args.seed)
 
-    dataset = load_dense_dataset(
-        data_args.dataset_name,
-        data_args.dataset_config_name,
-        model_args.cache_dir,
-        train_file=data_args.train_file,
-        validation_file=data_args.validation_file,
-    )
-    dataset_source = data_args.dataset_name or data_args.train_file  # for the model card
+    dataset = data_args.load(model_args.cache_dir)
     check_columns(dataset, {"--image_column": data_args.image_column, "--label_column": data_args.label_column})
     train, validation = prepare_splits(
         dataset,
@@ -210,12 +181,12 @@ def main():
 
     if training_args.push_to_hub:
         trainer.push_to_hub(
-            finetuned_from=model_args.model_name_or_path, tasks="image-segmentation", dataset=dataset_source
+            finetuned_from=model_args.model_name_or_path, tasks="image-segmentation", dataset=data_args.source
         )
     write_finetuned_model_card(
         trainer,
         base_model=model_args.model_name_or_path,
-        datasets=dataset_source,
+        datasets=data_args.source,
         training_budget=training_budget_description(budget_args, budget_sampler, model),
         eval_metrics=eval_metrics,
         metrics_description="mean IoU, mean class accuracy and pixel accuracy on the validation split (labelled "

@@ -24,6 +24,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ __all__ = [
     "SAMPLE_INDEX_COLUMN",
     "SEGMENTATION_HEADS",
     "DenseCollator",
+    "DenseDataArguments",
     "DenseTransform",
     "DepthMetrics",
     "SegmentationMetrics",
@@ -118,6 +120,50 @@ def load_dense_dataset(
     if name.endswith(".parquet") and Path(name).is_file():
         return load_dataset("parquet", data_files={"train": name}, cache_dir=cache_dir)
     return load_dataset(name, config_name, cache_dir=cache_dir)
+
+
+@dataclass
+class DenseDataArguments:
+    """The data flags both dense scripts take (each adds its target's columns): where the splits come from, the image
+    column, the resolution and the subsets. `load()` reads the splits."""
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A Hub dataset id, a local dataset folder or a .parquet file."}
+    )
+    train_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of --dataset_name: the training split's Parquet file(s), a path, glob or fsspec URL "
+            "(hf://datasets/org/name@revision/dir/*.parquet)."
+        },
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "With --train_file: the validation split's Parquet file(s)."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
+    image_column: str = field(default="image", metadata={"help": "The column holding the images."})
+    shortest_edge: int = field(default=512, metadata={"help": "Images are resized to about this short side."})
+    longest_edge: int | None = field(default=None, metadata={"help": "Bound the long side too."})
+    train_val_split: float = field(
+        default=0.15, metadata={"help": "Fraction of train held out for validation when there is no validation split."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use at most this many training images."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Use at most this many validation images."})
+
+    @property
+    def source(self) -> str | None:
+        """What the data is, for the model card: the dataset, else the training files."""
+        return self.dataset_name or self.train_file
+
+    def load(self, cache_dir: str | None = None):
+        """The `DatasetDict` of these flags ([`load_dense_dataset`])."""
+        return load_dense_dataset(
+            self.dataset_name,
+            self.dataset_config_name,
+            cache_dir,
+            train_file=self.train_file,
+            validation_file=self.validation_file,
+        )
 
 
 def check_columns(dataset, columns: Mapping[str, str]) -> None:
