@@ -1,27 +1,32 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """`VecaModel` against a plain transcription of the paper's efficient forward (the research code's form), same weights.
 
-The research code itself is not on these machines. `ResearchFormVeca` below is written from the paper's description
-(arXiv 2605.12491) and the released checkpoints' layout (docs/conversion.md), the way a research implementation
-reads: separate `q`/`k`/`v` linears, RoPE on interleaved channel pairs recomputed in every block (the cores move),
-two SDPA calls per block (cores over all tokens, patches over the cores, the keys sliced), SwiGLU as `fc1`, split,
-`silu(u) * g`, `fc2`. Its weights go through `veca_hf.convert_veca_original` into a `VecaModel`, so both compute the
-same function; the script checks that (max abs difference of the outputs) before timing.
+The baseline is the research code itself when `--research_code` names a clone of it
+(https://github.com/alansong1322/VECA: its `veca/model.py`, built with the size's settings, eval mode, without the
+pretrained patch-embedding download). Without a clone, it is `ResearchFormVeca` below, a lean transcription of the
+paper's efficient forward (arXiv 2605.12491) in the released checkpoints' layout (docs/conversion.md): separate
+`q`/`k`/`v` linears, RoPE on interleaved channel pairs recomputed in every block (the cores move), two SDPA calls per
+block (cores over all tokens, patches over the cores), SwiGLU as `fc1`, split, `silu(u) * g`, `fc2`. Either way the
+weights go through `veca_hf.convert_veca_original` into a `VecaModel`, so both compute the same function; the script
+checks that (max abs difference of the outputs) before timing.
 
-    python benchmarks/research_form.py --size veca-b16 --resolutions 512,1024 --budget 64 --repeats 5 --threads 2
+    python benchmarks/research_form.py --size veca-b16 --resolutions 512,1024 --budget 64 --repeats 5 --threads 2 \
+        [--research_code PATH/TO/VECA]
 
 Timing as in `scaling.py`: interleaved rounds (the order alternates), latency = median, and the paired ratio = the
-median over rounds of VECA's time over the research form's in that round. Outputs in `--output_dir` (default
-`benchmarks/results/<size>_research_form_<device>_fp32`): `results.json`, `results.md`.
+median over rounds of VECA's time over the baseline's in that round. Outputs in `--output_dir` (default
+`benchmarks/results/<size>_research_{code,form}_<device>_fp32`): `results.json`, `results.md`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import shlex
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
@@ -126,7 +131,67 @@ def build_pair(size: str, tiny: bool, seed: int) -> tuple[ResearchFormVeca, Veca
         veca_config.core_chunk_size,
         veca_config.patch_size,
     ).eval()
-    with torch.no_grad():  # non-trivial biases, norms and coordinate heads, so that every part matters
+    return research, _converted(research, veca_config)
+
+
+def load_research_code(path: str) -> type[nn.Module]:
+    """The `VECA` class of a clone of the research code, read from its `veca/model.py` (its package `__init__` pulls
+    in training code that timing does not need)."""
+    model_file = Path(path) / "veca" / "model.py"
+    if not model_file.is_file():
+        raise ValueError(
+            f"--research_code {path!r} has no veca/model.py: pass the folder of a clone of "
+            "https://github.com/alansong1322/VECA."
+        )
+    # NOTE: the module imports timm only to download pretrained patch weights, which `build_research_code_pair`
+    # turns off; without timm installed, an empty module stands in for the import.
+    placeholder = importlib.util.find_spec("timm") is None and "timm" not in sys.modules
+    if placeholder:
+        sys.modules["timm"] = types.ModuleType("timm")
+    try:
+        spec = importlib.util.spec_from_file_location("veca_research_code_model", model_file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if placeholder:
+            del sys.modules["timm"]
+    return module.VECA
+
+
+def build_research_code_pair(size: str, tiny: bool, seed: int, path: str) -> tuple[nn.Module, VecaModel]:
+    """The research code's model for the size (seeded, eval mode) and the `VecaModel` converted from its weights."""
+    veca_config, _ = scaling.preset_configs(size, tiny, [8])
+    research_settings = types.SimpleNamespace(  # the research code's config fields, at its defaults but the size
+        num_query_tokens=veca_config.num_core_tokens,
+        nested_chunk_size=veca_config.core_chunk_size,
+        patch_size=veca_config.patch_size,
+        in_channels=3,
+        hidden_dim=veca_config.hidden_size,
+        num_heads=veca_config.num_attention_heads,
+        num_layers=veca_config.num_hidden_layers,
+        mlp_ratio=(veca_config.intermediate_size + 0.5) / veca_config.hidden_size,  # int(D * ratio) == I
+        dropout=0.0,
+        patch_embed_use_ln=False,
+        init_patch_from_dinov3=False,  # no download; the weights are random either way
+        dinov3_timm_name="",
+        rope_shift_coords=0.08,
+        rope_jitter_coords=None,
+        rope_rescale_coords=2.0,
+        rope_p_zero_freqs=0.125,
+        rope_zero_freqs_from="low",
+        fps_pool_size=1000,
+        fps_coord_range=0.95,
+        distill_output_dim=None,
+    )
+    torch.manual_seed(seed)
+    research = load_research_code(path)(research_settings).eval()
+    return research, _converted(research, veca_config)
+
+
+def _converted(research: nn.Module, veca_config) -> VecaModel:
+    """`research` with non-trivial biases, norms and coordinate heads (so that every part matters), and the
+    `VecaModel` converted from its weights."""
+    with torch.no_grad():
         for name, parameter in research.named_parameters():
             if name.endswith("bias") or "norm" in name or "pos_linears" in name:
                 parameter.add_(0.02 * torch.randn_like(parameter))
@@ -134,7 +199,7 @@ def build_pair(size: str, tiny: bool, seed: int) -> tuple[ResearchFormVeca, Veca
     config = infer_config(state_dict, {"num_heads": veca_config.num_attention_heads})
     model = VecaModel(config).eval()
     model.load_state_dict(convert_state_dict(state_dict, config))
-    return research, model
+    return model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,11 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="Untimed calls per model and resolution.")
     parser.add_argument("--repeats", type=int, default=5, help="Timed rounds.")
     parser.add_argument("--output_dir", default=None)
+    parser.add_argument("--research_code", default=None, help="A clone of the research code: the baseline.")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     if args.output_dir is None:
-        name = f"{args.size}_research_form_{args.device}_fp32" + ("_tiny" if args.tiny else "")
+        baseline = "code" if args.research_code else "form"
+        name = f"{args.size}_research_{baseline}_{args.device}_fp32" + ("_tiny" if args.tiny else "")
         args.output_dir = str(Path(__file__).resolve().parent / "results" / name)
     return args
 
@@ -161,17 +228,32 @@ def main(argv: list[str] | None = None) -> dict:
     machine = scaling.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
     machine["cpu_allocator"] = allocator
     device = torch.device(args.device)
-    research, model = (m.to(device) for m in build_pair(args.size, args.tiny, args.seed))
+    if args.research_code:
+        baseline_name = "research code"
+        research, model = build_research_code_pair(args.size, args.tiny, args.seed, args.research_code)
+    else:
+        baseline_name = "research form"
+        research, model = build_pair(args.size, args.tiny, args.seed)
+    research, model = research.to(device), model.to(device)
     calls = {
         "VECA": lambda pixels: model(pixels, num_core_tokens=args.budget).last_hidden_state,
-        "research form": lambda pixels: research(pixels, args.budget),
+        baseline_name: lambda pixels: research(pixels, args.budget),
     }
+
+    def difference(pixels: torch.Tensor) -> float:
+        """Max abs difference of the normed outputs; the research code returns core 1 and the patches only."""
+        veca, research_outputs = calls["VECA"](pixels), calls[baseline_name](pixels)
+        if isinstance(research_outputs, tuple):  # (B, D), (B, N, D)
+            veca = torch.cat((veca[:, :1], veca[:, args.budget :]), dim=1)
+            research_outputs = torch.cat((research_outputs[0][:, None], research_outputs[1]), dim=1)
+        return (veca - research_outputs).abs().max().item()
+
     points = []
     generator = torch.Generator().manual_seed(args.seed)
     for resolution in args.resolutions:
         pixels = torch.randn(args.batch_size, 3, resolution, resolution, generator=generator).to(device)
         with torch.inference_mode():
-            difference = (calls["VECA"](pixels) - calls["research form"](pixels)).abs().max().item()
+            max_abs_difference = difference(pixels)
             for name in calls:
                 for _ in range(args.warmup):
                     calls[name](pixels)
@@ -180,13 +262,14 @@ def main(argv: list[str] | None = None) -> dict:
                 order = list(calls) if round_index % 2 == 0 else list(reversed(calls))
                 for name in order:
                     samples[name].append(scaling.time_call(lambda name=name, x=pixels: calls[name](x), device))
-        veca, baseline = samples["VECA"], samples["research form"]
+        veca, baseline = samples["VECA"], samples[baseline_name]
         point = {
             "resolution": resolution,
             "num_patches": (resolution // model.config.patch_size) ** 2,
             "budget": args.budget,
             "batch_size": args.batch_size,
-            "max_abs_difference": difference,
+            "baseline": baseline_name,
+            "max_abs_difference": max_abs_difference,
             "seconds": samples,
             "median_seconds": {name: statistics.median(values) for name, values in samples.items()},
             "ratio": statistics.median(veca) / statistics.median(baseline),
@@ -194,9 +277,9 @@ def main(argv: list[str] | None = None) -> dict:
         }
         points.append(point)
         print(
-            f"{resolution} px: VECA {point['median_seconds']['VECA']:.3f} s, research form "
-            f"{point['median_seconds']['research form']:.3f} s, ratio {point['ratio']:.3f} (paired "
-            f"{point['paired_ratio']:.3f}), max abs difference {difference:.1e}",
+            f"{resolution} px: VECA {point['median_seconds']['VECA']:.3f} s, {baseline_name} "
+            f"{point['median_seconds'][baseline_name]:.3f} s, ratio {point['ratio']:.3f} (paired "
+            f"{point['paired_ratio']:.3f}), max abs difference {max_abs_difference:.1e}",
             flush=True,
         )
     machine["loadavg_end"] = scaling._loadavg()
@@ -207,20 +290,20 @@ def main(argv: list[str] | None = None) -> dict:
         "points": points,
     }
     lines = [
-        f"# VECA against the research form: {args.size}{' (tiny)' if args.tiny else ''}, {args.device}, fp32, "
+        f"# VECA against the {baseline_name}: {args.size}{' (tiny)' if args.tiny else ''}, {args.device}, fp32, "
         f"batch {args.batch_size}, C = {args.budget}",
         "",
         f"- command: `{result['command']}`",
         f"- machine: {machine['cpu_model']}; torch {machine['torch_version']}; {machine['torch_num_threads']} "
         f"threads; load average start {machine['loadavg_start']}, end {machine['loadavg_end']}; glibc malloc "
         f"settings {'veca_hf' if allocator['tuned'] else 'default'}",
-        f"- {args.warmup} warm-up call(s), {args.repeats} interleaved rounds; ratio = VECA / research form",
+        f"- {args.warmup} warm-up call(s), {args.repeats} interleaved rounds; ratio = VECA / {baseline_name}",
         "",
-        "| res | N | VECA s | research form s | ratio (paired) | max abs difference |",
+        f"| res | N | VECA s | {baseline_name} s | ratio (paired) | max abs difference |",
         "|---|---|---|---|---|---|",
     ] + [
         f"| {p['resolution']} | {p['num_patches']} | {p['median_seconds']['VECA']:.3f} | "
-        f"{p['median_seconds']['research form']:.3f} | {p['ratio']:.3f} ({p['paired_ratio']:.3f}) | "
+        f"{p['median_seconds'][baseline_name]:.3f} | {p['ratio']:.3f} ({p['paired_ratio']:.3f}) | "
         f"{p['max_abs_difference']:.1e} |"
         for p in points
     ]

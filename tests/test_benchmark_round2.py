@@ -261,6 +261,20 @@ def test_research_form_computes_veca_and_is_timed_in_pairs(tmp_path):
         assert point["paired_ratio"] == pytest.approx(_paired(veca, research), rel=1e-12)
 
 
+def test_research_code_clone_is_checked_and_loaded_without_timm(tmp_path):
+    research_form = import_benchmark("research_form")
+    with pytest.raises(ValueError, match="has no veca/model.py"):
+        research_form.load_research_code(str(tmp_path))
+    (tmp_path / "veca").mkdir()
+    (tmp_path / "veca" / "model.py").write_text(
+        "import timm\nimport torch.nn as nn\n\n\nclass VECA(nn.Module):\n    timm_module = timm\n"
+    )
+    had_timm = "timm" in sys.modules
+    veca_class = research_form.load_research_code(str(tmp_path))
+    assert veca_class.__name__ == "VECA" and issubclass(veca_class, torch.nn.Module)
+    assert ("timm" in sys.modules) == had_timm  # a stand-in for a missing timm is removed again
+
+
 def test_cpu_bf16_support_flags_only():
     from veca_hf.hardware import cpu_bf16_support
 
