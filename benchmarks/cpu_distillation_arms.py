@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import HfArgumentParser
 
 
@@ -126,14 +127,31 @@ def load_student(path: Path, device: str = "cpu"):
     return model, projection
 
 
+def per_image_cosines(student: torch.Tensor, teacher: torch.Tensor) -> dict[str, list[float]]:
+    """Per image, the cosine to the teacher, raw and centred (each model's mean over the set subtracted): for
+    `(N, D)` global features, or the mean over an image's patches for `(N, Hp, Wp, D)` patch features. Their means
+    are `global_feature_cosine` / `patch_feature_cosine`; per image, they give the report its paired intervals."""
+    shape = (len(student), -1, student.shape[-1])  # (N, P, D), P = 1 or Hp * Wp
+    student, teacher = student.double().reshape(shape), teacher.double().reshape(shape)
+    mean_student, mean_teacher = student.mean((0, 1)), teacher.mean((0, 1))
+    raw = F.cosine_similarity(student, teacher, dim=-1, eps=1e-8).mean(1)  # (N,)
+    centred = F.cosine_similarity(student - mean_student, teacher - mean_teacher, dim=-1, eps=1e-8).mean(1)
+    return {"per_image": [round(float(x), 6) for x in raw], "per_image_centred": [round(float(x), 6) for x in centred]}
+
+
+def has_per_image_alignment(alignment: list) -> bool:
+    return any("per_image" in row["global"] for row in alignment)
+
+
 @torch.no_grad()
 def measure_alignment(args: ArmsArguments, teacher: str, paths: dict, data_dir: Path, done: Path) -> None:
     """Per model and budget, on held-out images: the cosine of the global feature to the teacher's CLS and the mean
     per-patch cosine to the teacher's patch features (raw and centred; through the loss's projection when the widths
-    differ). Computed fresh, not cached: patch features of thousands of images would fill the disk."""
+    differ), with the per-image values for the probe budgets and the dense control. Computed fresh, not cached:
+    patch features of thousands of images would fill the disk."""
     from veca_hf import evaluation
 
-    if done.exists():
+    if done.exists() and has_per_image_alignment(json.loads(done.read_text())):
         return
     fashion = base.probe_test_set(args)
     image_sets = {
@@ -158,15 +176,32 @@ def measure_alignment(args: ArmsArguments, teacher: str, paths: dict, data_dir: 
                        "global": evaluation.global_feature_cosine(features["global"], target["global"])}  # fmt: skip
                 if with_patches:
                     row["patches"] = evaluation.patch_feature_cosine(features["patches"], target["patches"])
+                    for feature in ("global", "patches"):
+                        row[feature].update(per_image_cosines(features[feature], target[feature]))
                 results.append(row)
     done.write_text(json.dumps(results, indent=2) + "\n")
 
 
+def arm_paths(args: ArmsArguments, arm: Arm) -> tuple[Path, dict[str, Path]]:
+    """The arm's folder and its two students' folders."""
+    arm_dir = Path(args.output_dir).resolve() / "arms" / arm.name
+    return arm_dir, {"veca": arm_dir / "veca", "dense": arm_dir / "dense"}
+
+
+def refresh_alignment(args: ArmsArguments, arm: Arm, teacher: str, data_dir: Path, results_path: Path) -> None:
+    """For an arm finished before the alignment kept per-image values: measure it again on the saved students and put
+    it into the arm's JSON (everything else there stays)."""
+    arm_dir, paths = arm_paths(args, arm)
+    measure_alignment(args, teacher, paths, data_dir, arm_dir / "alignment.json")
+    summary = json.loads(results_path.read_text())
+    summary["alignment"] = json.loads((arm_dir / "alignment.json").read_text())
+    results_path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def run_arm(args: ArmsArguments, key: str, arm: Arm, teacher: str, data_dir: Path, results_path: Path) -> None:
     """Distil both students, probe them and measure alignment; then write the arm's summary JSON."""
-    arm_dir = Path(args.output_dir).resolve() / "arms" / arm.name
+    arm_dir, paths = arm_paths(args, arm)
     logs, cache_dir = arm_dir / "logs", Path(args.output_dir).resolve() / "feature_cache"
-    paths = {"veca": arm_dir / "veca", "dense": arm_dir / "dense"}
     timings_path = arm_dir / "wall_seconds.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     for kind in ("veca", "dense"):
@@ -249,13 +284,96 @@ def arm_gaps(arm: dict, high: int, low: int, seed: int = 0) -> dict:
         for feature in ("global", "patches"):
             first, second = _alignment(arm, "veca", high, images), _alignment(arm, "dense", None, images)
             if first and second and feature in first and feature in second:
-                for kind in ("cosine", "centred_cosine"):
+                for kind, per_image in (("cosine", "per_image"), ("centred_cosine", "per_image_centred")):
+                    interval = None
+                    if per_image in first[feature] and per_image in second[feature]:
+                        interval = list(evaluation.paired_bootstrap_interval(
+                            lambda x, y: x - y, first[feature][per_image], second[feature][per_image], seed=seed
+                        ))  # fmt: skip
                     gaps[f"{feature} {kind.replace('_', ' ')} to the teacher ({images}): VECA C={high} - dense"] = {
                         "value": first[feature][kind] - second[feature][kind],
-                        "interval": None,
+                        "interval": interval,
                         "unit": "cosine",
                     }
     return gaps
+
+
+# What each arm changes against arm 1 (the baseline: 4 x 384, AdamW, 112 px, 2,000 steps).
+FACTORS = {
+    "recipe": ("3", "1"),
+    "depth (12 x 192)": ("2", "1"),
+    "depth (8 x 384)": ("5", "1"),
+    "N = 4C (224 px, 500 steps)": ("4", "1"),
+}
+
+
+def _per_image(arm: dict, model: str, budget, measure: tuple) -> tuple[float, np.ndarray] | None:
+    """A measure's value and its per-image values: `("probe", task)` (right or wrong per test image) or
+    `("alignment", images, feature)` (cosine per image)."""
+    if measure[0] == "probe":
+        probe = _probe(arm, model, budget, measure[1])
+        if probe is None or "correct" not in probe:
+            return None
+        return 100 * probe["value"], 100 * (np.frombuffer(probe["correct"].encode(), dtype=np.uint8) - ord("0"))
+    row = _alignment(arm, model, budget, measure[1])
+    if row is None or "per_image" not in row.get(measure[2], {}):
+        return None
+    return row[measure[2]]["cosine"], np.asarray(row[measure[2]]["per_image"])
+
+
+def factor_effects(arms: dict[str, dict], high: int, seed: int = 0) -> dict:
+    """How much each factor moves the VECA-minus-dense gap: (VECA - dense) in the factor's arm minus (VECA - dense)
+    in arm 1, per measure, with a 95% paired-bootstrap interval over the same test images (all four models are
+    measured on them); held-out loss terms as the change of the relative gap in points of %, without an interval
+    (the held-out loss is kept as a mean only)."""
+    from veca_hf import evaluation
+
+    measures = {
+        "20-NN (points)": ("probe", "knn"),
+        "linear probe (points)": ("probe", "classification"),
+        "global cosine, FMNIST": ("alignment", "fashion_mnist_test", "global"),
+        "patch cosine, FMNIST": ("alignment", "fashion_mnist_test", "patches"),
+        "global cosine, photos": ("alignment", "heldout_photos", "global"),
+        "patch cosine, photos": ("alignment", "heldout_photos", "patches"),
+    }
+    effects = {}
+    for factor, (changed_key, base_key) in FACTORS.items():
+        if changed_key not in arms or base_key not in arms:
+            continue
+        changed, baseline = arms[changed_key], arms[base_key]
+        rows = {}
+        for name, measure in measures.items():
+            values = [_per_image(arm, model, budget, measure) for arm in (changed, baseline)
+                      for model, budget in (("veca", high), ("dense", None))]  # fmt: skip
+            if any(v is None for v in values) or len({len(v[1]) for v in values}) != 1:
+                continue
+            (a, _), (b, _), (c, _), (d, _) = values
+            interval = evaluation.paired_bootstrap_interval(
+                lambda w, x, y, z: (w - x) - (y - z), *(v[1] for v in values), seed=seed
+            )
+            rows[name] = {"gap": a - b, "baseline_gap": c - d, "change": (a - b) - (c - d), "interval": list(interval)}
+        for term in ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"):
+            gaps = []
+            for arm in (changed, baseline):
+                veca, dense = arm["validation"]["veca"].get(str(high), {}), arm["validation"]["dense"].get("dense", {})
+                gaps.append(100 * (veca[term] / dense[term] - 1) if term in veca and term in dense else None)
+            if None not in gaps:
+                rows[f"held-out {term} (% of dense)"] = {"gap": gaps[0], "baseline_gap": gaps[1],
+                                                        "change": gaps[0] - gaps[1], "interval": None}  # fmt: skip
+        effects[factor] = {"arms": [changed_key, base_key], "measures": rows}
+    return effects
+
+
+def gap_history(arm: dict, high: int) -> list[dict]:
+    """Per validation step, VECA C=high over its dense control - 1 (%) for the held-out loss and its terms."""
+    dense = {h["step"]: h["losses"]["dense"] for h in arm["validation_history"]["dense"]}
+    rows = []
+    for entry in arm["validation_history"]["veca"]:
+        veca, control = entry["losses"].get(str(high)), dense.get(entry["step"])
+        if veca and control:
+            rows.append({"step": entry["step"], **{term: 100 * (veca[term] / control[term] - 1) for term in
+                         ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss") if term in veca}})  # fmt: skip
+    return rows
 
 
 def goal(gaps: dict, high: int, low: int) -> dict:
@@ -323,9 +441,39 @@ def markdown(report: dict) -> str:
         lines.append("")
         for name, gap in arm["gaps"].items():
             interval = gap.get("interval")
-            span = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
+            span = f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
             lines.append(f"- {name}: {gap['value']:+.3f}{span} {gap['unit']}")
         lines.append("")
+    if report.get("effects"):
+        lines += [
+            f"What each factor does to the gap (VECA C={high} minus dense in the factor's arm, minus the same in "
+            "arm 1; for the probes and cosines a 95% paired-bootstrap interval over the same test images; held-out "
+            "loss terms: the change of VECA / dense - 1, in points of %):",
+            "",
+            "| factor | measure | gap in its arm | gap in arm 1 | change [95% CI] |",
+            "|---|---|---|---|---|",
+        ]
+        for factor, effect in report["effects"].items():
+            for name, row in effect["measures"].items():
+                interval = row["interval"]
+                span = f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
+                lines.append(f"| {factor} (arm {effect['arms'][0]}) | {name} | {row['gap']:+.3f} | "
+                             f"{row['baseline_gap']:+.3f} | {row['change']:+.3f}{span} |")  # fmt: skip
+        lines.append("")
+    lines += [
+        f"The gap during training (VECA C={high} / dense - 1 in %, held-out loss; global term; patch cosine term):",
+        "",
+        "| step | " + " | ".join(f"{arm['arm']}. {arm['name']}" for arm in report["arms"]) + " |",
+        "|---|" + "---|" * len(report["arms"]),
+    ]
+    histories = {arm["arm"]: {row["step"]: row for row in arm["gap_history"]} for arm in report["arms"]}
+    for step in sorted({step for history in histories.values() for step in history}):
+        cells = []
+        for arm in report["arms"]:
+            row = histories[arm["arm"]].get(step)
+            cells.append("–" if row is None else f"{row['loss']:+.1f} ({row['global_loss']:+.1f}; "
+                         f"{row['dense_cosine_loss']:+.1f})")  # fmt: skip
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -384,10 +532,16 @@ def report(args: ArmsArguments, arms: dict[str, Arm], results_dir: Path) -> dict
         result = json.loads(arm_results_path(results_dir, key, arm).read_text())
         result["gaps"] = arm_gaps(result, high, low, seed=args.seed)
         result["goal"] = goal(result["gaps"], high, low)
+        result["gap_history"] = gap_history(result, high)
         results.append(result)
-    summary = {"budgets": {"high": high, "low": low}, "arms": results}
-    for result in results:
+    effects = factor_effects({result["arm"]: result for result in results}, high, seed=args.seed)
+    summary = {"budgets": {"high": high, "low": low}, "arms": results, "effects": effects}
+    for result in results:  # the per-image values stay in the arms' JSON
         result["probes"] = [{k: v for k, v in p.items() if k != "correct"} for p in result["probes"]]
+        for row in result["alignment"]:
+            for feature in ("global", "patches"):
+                for name in ("per_image", "per_image_centred"):
+                    row.get(feature, {}).pop(name, None)
     (results_dir / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
     (results_dir / "study.md").write_text(markdown(summary) + "\n")
     plot(summary, results_dir / "curves.png")
@@ -425,6 +579,9 @@ def main(argv: list[str] | None = None) -> dict:
         results_path = arm_results_path(results_dir, key, arm)
         if results_path.exists():
             print(f"[arm {key}: {arm.name}] done already ({results_path})", flush=True)
+            if not has_per_image_alignment(json.loads(results_path.read_text())["alignment"]):
+                print(f"[arm {key}: {arm.name}] measuring its alignment per image (for the intervals)", flush=True)
+                refresh_alignment(arm_settings(args, arm), arm, teacher, data_dir, results_path)
             continue
         print(f"[arm {key}: {arm.name}] {arm.description}", flush=True)
         run_arm(arm_settings(args, arm), key, arm, teacher, data_dir, results_path)

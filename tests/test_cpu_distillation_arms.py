@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_cpu_distillation_study import study_inputs  # noqa: F401 (the fixture)
 
 
@@ -45,8 +46,18 @@ def test_smoke_arms_write_gaps_curves_and_skip_finished_arms(study_inputs, tmp_p
         knn = arm["gaps"]["knn: VECA C=16 - dense"]
         assert knn["interval"][0] <= knn["value"] <= knn["interval"][1]
         assert "held-out dense_cosine_loss: VECA C=16 / dense - 1" in arm["gaps"]
-        assert "patches cosine to the teacher (heldout_photos): VECA C=16 - dense" in arm["gaps"]
+        patches = arm["gaps"]["patches cosine to the teacher (heldout_photos): VECA C=16 - dense"]
+        assert patches["interval"][0] <= patches["value"] <= patches["interval"][1]  # per-image values, paired
         assert isinstance(arm["goal"]["met"], bool)
+        assert [row["step"] for row in arm["gap_history"]] == [h["step"] for h in arm["validation_history"]["veca"]]
+    # what each factor does to the gap, against arm 1, on the same test images
+    assert set(summary["effects"]) == {"recipe", "N = 4C (224 px, 500 steps)"}
+    for effect in summary["effects"].values():
+        for name in ("20-NN (points)", "patch cosine, photos", "global cosine, FMNIST"):
+            row = effect["measures"][name]
+            assert row["change"] == pytest.approx(row["gap"] - row["baseline_gap"])
+            assert row["interval"][0] - 1e-9 <= row["change"] <= row["interval"][1] + 1e-9
+        assert effect["measures"]["held-out loss (% of dense)"]["interval"] is None
     # the arms really differ: the recipe arm ran NorMuon and copied the patch embedding; arm 4 another resolution
     recipe = summary["arms"][1]
     assert recipe["settings"]["distill_flags"]["optimizer"] == "normuon"
@@ -54,14 +65,41 @@ def test_smoke_arms_write_gaps_curves_and_skip_finished_arms(study_inputs, tmp_p
     assert "NorMuon for" in log.read_text() and "Patch embedding copied from the teacher" in log.read_text()
     assert summary["arms"][2]["settings"]["resolution"] == 48
     markdown = (results_dir / "study.md").read_text()
-    assert "3. 4x384-paper-recipe" in markdown and "goal" in markdown
+    assert "3. 4x384-paper-recipe" in markdown and "goal" in markdown and "What each factor does" in markdown
     assert (results_dir / "curves.png").stat().st_size > 10_000
     assert "correct" not in json.dumps(json.loads((results_dir / "study.json").read_text())["arms"][0]["probes"])
 
+    # an arm finished before the alignment kept per-image values gets them measured again, nothing else rerun
+    arm_json = results_dir / "arms" / "1-4x384-adamw.json"
+    old = json.loads(arm_json.read_text())
+    for row in old["alignment"]:
+        for feature in ("global", "patches"):
+            row.get(feature, {}).pop("per_image", None)
+            row.get(feature, {}).pop("per_image_centred", None)
+    arm_json.write_text(json.dumps(old))
+    (tmp_path / "study" / "arms" / "4x384-adamw" / "alignment.json").write_text(json.dumps(old["alignment"]))
     capsys.readouterr()
     again = arms.main(argv)
-    assert capsys.readouterr().out.count("done already") == 3
+    out = capsys.readouterr().out
+    assert out.count("done already") == 3 and out.count("measuring its alignment per image") == 1
     assert again["arms"][0]["gaps"] == summary["arms"][0]["gaps"]
+    assert again["effects"] == summary["effects"]
+
+
+def test_per_image_cosines_average_to_the_set_cosines():
+    from veca_hf import evaluation
+
+    arms = load_arms()
+    generator = torch.Generator().manual_seed(0)
+    teacher, student = torch.randn(2, 5, 3, 3, 8, generator=generator).unbind(0)  # (N, Hp, Wp, D)
+    student = student + teacher  # correlated
+    pairs = [(student, teacher, evaluation.patch_feature_cosine), (student[:, 0, 0], teacher[:, 0, 0],
+             evaluation.global_feature_cosine)]  # fmt: skip
+    for features, targets, whole_set in pairs:
+        per_image, whole = arms.per_image_cosines(features, targets), whole_set(features, targets)
+        assert len(per_image["per_image"]) == 5
+        assert sum(per_image["per_image"]) / 5 == pytest.approx(whole["cosine"], abs=1e-6)
+        assert sum(per_image["per_image_centred"]) / 5 == pytest.approx(whole["centred_cosine"], abs=1e-6)
 
 
 def test_unknown_arm_is_a_clear_error(tmp_path):
