@@ -1,5 +1,5 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""`VecaModel` against a plain transcription of the paper's efficient forward (the research code's form), same weights.
+"""`VecaModel` against the paper's research code, or a transcription of its efficient forward, with the same weights.
 
 The baseline is the research code itself when `--research_code` names a clone of it
 (https://github.com/alansong1322/VECA: its `veca/model.py`, built with the size's settings, eval mode, without the
