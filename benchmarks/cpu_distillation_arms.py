@@ -248,6 +248,11 @@ def run_arm(args: ArmsArguments, key: str, arm: Arm, teacher: str, data_dir: Pat
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def _correct(probe: dict) -> np.ndarray:
+    """Per test image, 1 if the probe got it right, else 0 (stored as a string of digits)."""
+    return np.frombuffer(probe["correct"].encode(), dtype=np.uint8) - ord("0")
+
+
 def _probe(arm: dict, model: str, budget, task: str) -> dict | None:
     return next(
         (p for p in arm["probes"] if p["model"] == model and p["budget"] == budget and p["task"] == task), None
@@ -270,7 +275,7 @@ def arm_gaps(arm: dict, high: int, low: int, seed: int = 0) -> dict:
                              f"{task}: VECA C={low} - C={high}": (("veca", low), ("veca", high))}.items():  # fmt: skip
             first, second = _probe(arm, *a, task), _probe(arm, *b, task)
             if first and second and "correct" in first and "correct" in second:
-                correct = [np.frombuffer(p["correct"].encode(), dtype=np.uint8) - ord("0") for p in (first, second)]
+                correct = [_correct(p) for p in (first, second)]
                 interval = evaluation.paired_bootstrap_interval(lambda x, y: 100 * (x - y), *correct, seed=seed)
                 gaps[name] = {"value": 100 * (first["value"] - second["value"]), "interval": list(interval),
                               "unit": "points"}  # fmt: skip
@@ -314,7 +319,7 @@ def _per_image(arm: dict, model: str, budget, measure: tuple) -> tuple[float, np
         probe = _probe(arm, model, budget, measure[1])
         if probe is None or "correct" not in probe:
             return None
-        return 100 * probe["value"], 100 * (np.frombuffer(probe["correct"].encode(), dtype=np.uint8) - ord("0"))
+        return 100 * probe["value"], 100 * _correct(probe)
     row = _alignment(arm, model, budget, measure[1])
     if row is None or "per_image" not in row.get(measure[2], {}):
         return None
