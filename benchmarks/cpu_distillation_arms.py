@@ -330,7 +330,9 @@ def factor_effects(arms: dict[str, dict], high: int, seed: int = 0) -> dict:
     """How much each factor moves the VECA-minus-dense gap: (VECA - dense) in the factor's arm minus (VECA - dense)
     in arm 1, per measure, with a 95% paired-bootstrap interval over the same test images (all four models are
     measured on them); held-out loss terms as the change of the relative gap in points of %, without an interval
-    (the held-out loss is kept as a mean only)."""
+    (the held-out loss is kept as a mean only), taken at the factor's arm's last step from arm 1's curve, so an arm
+    that trains for fewer steps is compared at equal steps. The probes and cosines exist only at the end of arm 1
+    (`baseline_step` says which step each row compares against)."""
     from veca_hf import evaluation
 
     measures = {
@@ -356,15 +358,17 @@ def factor_effects(arms: dict[str, dict], high: int, seed: int = 0) -> dict:
             interval = evaluation.paired_bootstrap_interval(
                 lambda w, x, y, z: (w - x) - (y - z), *(v[1] for v in values), seed=seed
             )
-            rows[name] = {"gap": a - b, "baseline_gap": c - d, "change": (a - b) - (c - d), "interval": list(interval)}
+            rows[name] = {"gap": a - b, "baseline_gap": c - d, "change": (a - b) - (c - d), "interval": list(interval),
+                          "baseline_step": baseline["settings"]["max_train_steps"]}  # fmt: skip
+        # the held-out loss at equal steps: an arm that trains for fewer steps (arm 4) against arm 1's curve there
+        step = changed["settings"]["max_train_steps"]
+        histories = [{row["step"]: row for row in gap_history(arm, high)} for arm in (changed, baseline)]
         for term in ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"):
-            gaps = []
-            for arm in (changed, baseline):
-                veca, dense = arm["validation"]["veca"].get(str(high), {}), arm["validation"]["dense"].get("dense", {})
-                gaps.append(100 * (veca[term] / dense[term] - 1) if term in veca and term in dense else None)
+            gaps = [history.get(step, {}).get(term) for history in histories]
             if None not in gaps:
                 rows[f"held-out {term} (% of dense)"] = {"gap": gaps[0], "baseline_gap": gaps[1],
-                                                        "change": gaps[0] - gaps[1], "interval": None}  # fmt: skip
+                                                        "change": gaps[0] - gaps[1], "interval": None,
+                                                        "baseline_step": step}  # fmt: skip
         effects[factor] = {"arms": [changed_key, base_key], "measures": rows}
     return effects
 
@@ -455,15 +459,16 @@ def markdown(report: dict) -> str:
             "arm 1; for the probes and cosines a 95% paired-bootstrap interval over the same test images; held-out "
             "loss terms: the change of VECA / dense - 1, in points of %):",
             "",
-            "| factor | measure | gap in its arm | gap in arm 1 | change [95% CI] |",
+            "| factor | measure | gap in its arm | gap in arm 1 (at step) | change [95% CI] |",
             "|---|---|---|---|---|",
         ]
         for factor, effect in report["effects"].items():
             for name, row in effect["measures"].items():
                 interval = row["interval"]
                 span = f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
-                lines.append(f"| {factor} (arm {effect['arms'][0]}) | {name} | {row['gap']:+.3f} | "
-                             f"{row['baseline_gap']:+.3f} | {row['change']:+.3f}{span} |")  # fmt: skip
+                baseline = f"{row['baseline_gap']:+.3f} ({row['baseline_step']})"
+                lines.append(f"| {factor} (arm {effect['arms'][0]}) | {name} | {row['gap']:+.3f} | {baseline} | "
+                             f"{row['change']:+.3f}{span} |")  # fmt: skip
         lines.append("")
     lines += [
         f"The gap during training (VECA C={high} / dense - 1 in %, held-out loss; global term; patch cosine term):",

@@ -58,6 +58,16 @@ def test_smoke_arms_write_gaps_curves_and_skip_finished_arms(study_inputs, tmp_p
             assert row["change"] == pytest.approx(row["gap"] - row["baseline_gap"])
             assert row["interval"][0] - 1e-9 <= row["change"] <= row["interval"][1] + 1e-9
         assert effect["measures"]["held-out loss (% of dense)"]["interval"] is None
+    # arm 4 trains 2 steps, arm 1 4: the held-out loss compares at equal steps (arm 1's curve at step 2), the probes
+    # with arm 1's end
+    baseline_curve = {row["step"]: row for row in summary["arms"][0]["gap_history"]}
+    for name, row in summary["effects"]["N = 4C (224 px, 500 steps)"]["measures"].items():
+        if name.startswith("held-out"):
+            term = name.removeprefix("held-out ").removesuffix(" (% of dense)")
+            assert row["baseline_step"] == 2 and row["baseline_gap"] == pytest.approx(baseline_curve[2][term])
+        else:
+            assert row["baseline_step"] == 4
+    assert summary["effects"]["recipe"]["measures"]["held-out loss (% of dense)"]["baseline_step"] == 4
     # the arms really differ: the recipe arm ran NorMuon and copied the patch embedding; arm 4 another resolution
     recipe = summary["arms"][1]
     assert recipe["settings"]["distill_flags"]["optimizer"] == "normuon"
