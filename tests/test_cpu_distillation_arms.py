@@ -1,6 +1,6 @@
-"""benchmarks/cpu_distillation_arms.py --smoke: three arms (AdamW; the paper's recipe; another resolution and length)
-through distillation, probes, alignment and the report, on tiny models and generated data; a second call skips
-every finished arm."""
+"""benchmarks/cpu_distillation_arms.py --smoke: three configurations (AdamW; the paper's recipe; another resolution
+and length) through distillation, probes, alignment and the report, on tiny models and generated data; a second call
+skips every finished run and adds a second seed."""
 
 import importlib.util
 import json
@@ -25,75 +25,82 @@ def load_arms():
     return module
 
 
-def test_smoke_arms_write_gaps_curves_and_skip_finished_arms(study_inputs, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, tmp_path, monkeypatch, capsys):  # noqa: F811
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     arms = load_arms()
     results_dir = tmp_path / "results"
     argv = ["--smoke", "--teacher_name_or_path", str(study_inputs / "teacher"),
             "--photos_dir", str(study_inputs / "photos"), "--fashion_mnist_dir", str(study_inputs / "fashion-mnist"),
-            "--output_dir", str(tmp_path / "study"), "--results_dir", str(results_dir), "--arms", "1,3,4"]  # fmt: skip
+            "--output_dir", str(tmp_path / "study"), "--results_dir", str(results_dir),
+            "--configurations", "4x384-adamw,4x384-paper-recipe,4x384-224px"]  # fmt: skip
     summary = arms.main(argv)
 
-    assert [arm["name"] for arm in summary["arms"]] == ["4x384-adamw", "4x384-paper-recipe", "4x384-224px"]
-    for arm in summary["arms"]:
+    assert [run["label"] for run in summary["runs"]] == [
+        "4x384-adamw-seed0", "4x384-paper-recipe-seed0", "4x384-224px-seed0"]  # fmt: skip
+    for run in summary["runs"]:
+        assert run["seed"] == 0 and run["settings"]["distill_seed"] == 0
         # held-out loss and its terms at every validation, for both students
         for kind, label in (("veca", "16"), ("dense", "dense")):
-            history = arm["validation_history"][kind]
-            assert [h["step"] for h in history] == list(range(0, arm["settings"]["max_train_steps"] + 1, 2))
+            history = run["validation_history"][kind]
+            assert [h["step"] for h in history] == list(range(0, run["settings"]["max_train_steps"] + 1, 2))
             assert set(history[-1]["losses"][label]) == {"loss", "global_loss", "dense_cosine_loss", "dense_mse_loss"}
         # VECA minus dense, with paired intervals on the probes, and the patch cosines
-        knn = arm["gaps"]["knn: VECA C=16 - dense"]
+        knn = run["gaps"]["knn: VECA C=16 - dense"]
         assert knn["interval"][0] <= knn["value"] <= knn["interval"][1]
-        assert "held-out dense_cosine_loss: VECA C=16 / dense - 1" in arm["gaps"]
-        patches = arm["gaps"]["patches cosine to the teacher (heldout_photos): VECA C=16 - dense"]
+        assert "held-out dense_cosine_loss: VECA C=16 / dense - 1" in run["gaps"]
+        patches = run["gaps"]["patches cosine to the teacher (heldout_photos): VECA C=16 - dense"]
         assert patches["interval"][0] <= patches["value"] <= patches["interval"][1]  # per-image values, paired
-        assert isinstance(arm["goal"]["met"], bool)
-        assert [row["step"] for row in arm["gap_history"]] == [h["step"] for h in arm["validation_history"]["veca"]]
-    # what each factor does to the gap, against arm 1, on the same test images
+        assert isinstance(run["goal"]["met"], bool)
+        assert [row["step"] for row in run["gap_history"]] == [h["step"] for h in run["validation_history"]["veca"]]
+    # what each factor does to the gap, against the baseline, on the same test images
     assert set(summary["effects"]) == {"recipe", "N = 4C (224 px, 500 steps)"}
     for effect in summary["effects"].values():
+        assert effect["baseline"] == "4x384-adamw" and effect["seed"] == 0
         for name in ("20-NN (points)", "patch cosine, photos", "global cosine, FMNIST"):
             row = effect["measures"][name]
             assert row["change"] == pytest.approx(row["gap"] - row["baseline_gap"])
             assert row["interval"][0] - 1e-9 <= row["change"] <= row["interval"][1] + 1e-9
         assert effect["measures"]["held-out loss (% of dense)"]["interval"] is None
-    # arm 4 trains 2 steps, arm 1 4: the held-out loss compares at equal steps (arm 1's curve at step 2), the probes
-    # with arm 1's end
-    baseline_curve = {row["step"]: row for row in summary["arms"][0]["gap_history"]}
+    # 4x384-224px trains 2 steps, the baseline 4: the held-out loss compares at equal steps (the baseline's curve at
+    # step 2), the probes with the baseline's end
+    baseline_curve = {row["step"]: row for row in summary["runs"][0]["gap_history"]}
     for name, row in summary["effects"]["N = 4C (224 px, 500 steps)"]["measures"].items():
         if name.startswith("held-out"):
             term = name.removeprefix("held-out ").removesuffix(" (% of dense)")
             assert row["baseline_step"] == 2 and row["baseline_gap"] == pytest.approx(baseline_curve[2][term])
         else:
             assert row["baseline_step"] == 4
-    assert summary["effects"]["recipe"]["measures"]["held-out loss (% of dense)"]["baseline_step"] == 4
-    # the arms really differ: the recipe arm ran NorMuon and copied the patch embedding; arm 4 another resolution
-    recipe = summary["arms"][1]
+    # the configurations really differ: the recipe ran NorMuon and copied the patch embedding; 224px another size
+    recipe = summary["runs"][1]
     assert recipe["settings"]["distill_flags"]["optimizer"] == "normuon"
-    log = tmp_path / "study" / "arms" / "4x384-paper-recipe" / "logs" / "distill_veca.log"
+    log = tmp_path / "study" / "runs" / "4x384-paper-recipe" / "seed0" / "logs" / "distill_veca.log"
     assert "NorMuon for" in log.read_text() and "Patch embedding copied from the teacher" in log.read_text()
-    assert summary["arms"][2]["settings"]["resolution"] == 48
+    assert summary["runs"][2]["settings"]["resolution"] == 48
+    assert summary["seed_spread"] == {}  # one seed each
     markdown = (results_dir / "study.md").read_text()
-    assert "3. 4x384-paper-recipe" in markdown and "goal" in markdown and "What each factor does" in markdown
+    assert "4x384-paper-recipe-seed0" in markdown and "goal" in markdown and "What each factor does" in markdown
     assert (results_dir / "curves.png").stat().st_size > 10_000
-    assert "correct" not in json.dumps(json.loads((results_dir / "study.json").read_text())["arms"][0]["probes"])
+    assert "correct" not in json.dumps(json.loads((results_dir / "study.json").read_text())["runs"][0]["probes"])
 
-    # an arm finished before the alignment kept per-image values gets them measured again, nothing else rerun
-    arm_json = results_dir / "arms" / "1-4x384-adamw.json"
-    old = json.loads(arm_json.read_text())
-    for row in old["alignment"]:
-        for feature in ("global", "patches"):
-            row.get(feature, {}).pop("per_image", None)
-            row.get(feature, {}).pop("per_image_centred", None)
-    arm_json.write_text(json.dumps(old))
-    (tmp_path / "study" / "arms" / "4x384-adamw" / "alignment.json").write_text(json.dumps(old["alignment"]))
+    # a second seed of one configuration: only that run is distilled; the report spreads its gaps over the seeds
     capsys.readouterr()
-    again = arms.main(argv)
+    again = arms.main(argv[:-1] + ["4x384-paper-recipe", "--seeds", "0,1"])
     out = capsys.readouterr().out
-    assert out.count("done already") == 3 and out.count("measuring its alignment per image") == 1
-    assert again["arms"][0]["gaps"] == summary["arms"][0]["gaps"]
-    assert again["effects"] == summary["effects"]
+    assert out.count("done already") == 1 and "[4x384-paper-recipe-seed1]" in out
+    assert len(again["runs"]) == 4  # the report covers every finished run
+    seed0, seed1 = (next(r for r in again["runs"] if r["label"] == f"4x384-paper-recipe-seed{s}") for s in (0, 1))
+    assert seed1["settings"]["distill_seed"] == 1 and "--seed 1" in seed1["commands"]["veca"]
+    assert seed0["validation"] != seed1["validation"]  # another initialisation and data order
+    assert seed0["settings"]["photo_crops"] == seed1["settings"]["photo_crops"]  # the same pool
+    spread = again["seed_spread"]["4x384-paper-recipe"]
+    row = spread["measures"]["held-out loss (% of dense)"]
+    per_seed = [r["gaps"]["held-out loss: VECA C=16 / dense - 1"]["value"] for r in (seed0, seed1)]
+    assert list(row["per_seed"].values()) == pytest.approx(per_seed)
+    assert row["mean"] == pytest.approx(sum(per_seed) / 2) and row["min"] == min(per_seed)
+    assert row["t_interval"][0] <= row["mean"] <= row["t_interval"][1]
+    assert isinstance(spread["knn_within_1_point_in_every_seed"], bool)
+    assert "Over the seeds of **4x384-paper-recipe**" in (results_dir / "study.md").read_text()
 
 
 def test_per_image_cosines_average_to_the_set_cosines():
@@ -112,6 +119,10 @@ def test_per_image_cosines_average_to_the_set_cosines():
         assert sum(per_image["per_image_centred"]) / 5 == pytest.approx(whole["centred_cosine"], abs=1e-6)
 
 
-def test_unknown_arm_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="unknown arm"):
-        load_arms().main(["--fashion_mnist_dir", str(tmp_path), "--arms", "9", "--output_dir", str(tmp_path)])
+def test_unknown_configuration_or_bad_seeds_are_clear_errors(tmp_path):
+    arms = load_arms()
+    with pytest.raises(ValueError, match="unknown configuration"):
+        arms.main(["--fashion_mnist_dir", str(tmp_path), "--configurations", "9", "--output_dir", str(tmp_path)])
+    for seeds in ("0,x", "1,1", ""):
+        with pytest.raises(ValueError, match="--seeds"):
+            arms.main(["--fashion_mnist_dir", str(tmp_path), "--seeds", seeds, "--output_dir", str(tmp_path)])
