@@ -151,3 +151,18 @@ def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
         main(["--checkpoint", str(tmp_path / "other.pth"), "--output-dir", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert "Not a VECA reference checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_cli_reports_a_truncated_checkpoint_without_a_traceback(tmp_path, capsys, suffix):
+    from safetensors.torch import save_file
+
+    path = tmp_path / f"cut{suffix}"
+    state = {"weight": torch.randn(64, 64)}
+    save_file(state, path) if suffix == ".safetensors" else torch.save(state, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--checkpoint", str(path), "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "truncated" in error and str(path) in error and "Traceback" not in error

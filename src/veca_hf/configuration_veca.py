@@ -4,6 +4,7 @@
 import numbers
 
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneConfigMixin
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -150,7 +151,20 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def _check_sizes(self):
-        """Raises a `ValueError` naming the offending field when the sizes cannot form a VECA model."""
+        """Raises a `ValueError` naming the offending field, its value and what is allowed."""
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
+                     "patch_size", "num_channels", "num_core_tokens", "core_chunk_size"):  # fmt: skip
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+        for name in ("layer_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be positive.")
+        if not self.initializer_range >= 0:
+            raise ValueError(f"initializer_range={self.initializer_range!r} must be >= 0.")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not an activation of transformers' ACT2FN.")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -161,16 +175,26 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
             raise ValueError(
                 f"The head size hidden_size / num_attention_heads = {head_dim} must be a multiple of 4 for 2D RoPE."
             )
-        if self.core_chunk_size < 1 or self.num_core_tokens < self.core_chunk_size:
-            raise ValueError(
-                f"num_core_tokens ({self.num_core_tokens}) must be at least core_chunk_size ({self.core_chunk_size}) "
-                "and core_chunk_size at least 1."
-            )
         if self.num_core_tokens % self.core_chunk_size != 0:
             raise ValueError(
                 f"num_core_tokens ({self.num_core_tokens}) must be a multiple of core_chunk_size "
                 f"({self.core_chunk_size})."
             )
+        if self.core_coordinate_init_candidates < self.num_core_tokens:
+            raise ValueError(
+                f"core_coordinate_init_candidates={self.core_coordinate_init_candidates!r} must be at least "
+                f"num_core_tokens ({self.num_core_tokens}): the initial core positions are picked among them, and "
+                "fewer would place cores on top of each other."
+            )
+        if not 0 < self.core_coordinate_init_range <= 1:
+            raise ValueError(
+                f"core_coordinate_init_range={self.core_coordinate_init_range!r} must be in (0, 1]: core positions "
+                "are tanh of the learned coordinates, inside (-1, 1)."
+            )
+        for name, low in (("pos_embed_shift", 0.0), ("pos_embed_jitter", 1.0), ("pos_embed_rescale", 1.0)):
+            value = getattr(self, name)
+            if value is not None and not value >= low:
+                raise ValueError(f"{name}={value!r} must be None (off) or >= {low}.")
         if self.default_num_core_tokens is not None:
             self.check_budget(self.default_num_core_tokens, name="default_num_core_tokens")
         if not 0.0 <= self.rope_zero_frequency_ratio <= 1.0:

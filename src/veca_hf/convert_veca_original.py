@@ -51,20 +51,29 @@ def load_reference_checkpoint(path: str | Path, allow_unsafe_pickle: bool = Fals
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"Checkpoint {str(path)!r} does not exist or is not a file.")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        checkpoint = load_file(str(path))
-    else:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as error:
-            if not allow_unsafe_pickle:
-                raise ValueError(
-                    f"{str(path)!r} holds Python objects beyond plain tensors and cannot be loaded safely "
-                    f"({error}). If you trust its source, rerun with --allow-unsafe-pickle."
-                ) from error
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            checkpoint = load_file(str(path))
+        else:
+            try:
+                checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as error:
+                if not allow_unsafe_pickle:
+                    raise ValueError(
+                        f"{str(path)!r} holds Python objects beyond plain tensors and cannot be loaded safely "
+                        f"({error}). If you trust its source, rerun with --allow-unsafe-pickle."
+                    ) from error
+                checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except ValueError:
+        raise
+    # safetensors' SafetensorError, torch's RuntimeError / EOFError for a cut zip or pickle
+    except Exception as error:
+        raise ValueError(
+            f"{str(path)!r} ({path.stat().st_size} bytes) cannot be read as a {path.suffix} checkpoint: it is "
+            f"truncated or not a checkpoint ({type(error).__name__}: {error}). Download or copy it again."
+        ) from error
     if not isinstance(checkpoint, dict):
         raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, expected a dict of tensors.")
 

@@ -8,6 +8,7 @@ with Accelerate.
 Shape legend: B batch, N patches, C active cores, D student width, Dt teacher width.
 """
 
+import difflib
 import json
 import math
 from collections.abc import Sequence
@@ -547,12 +548,36 @@ class StudentWithLoss(nn.Module):
         return self.criterion(outputs.pooler_output, student_patches, TeacherTargets(teacher_cls, teacher_patches))
 
 
+def parse_config_overrides(overrides: str | dict | None, name: str = "--student_overrides") -> dict:
+    """`VecaConfig` field overrides from a dict or its JSON; an unknown field or anything but a JSON object is a
+    `ValueError` naming it (a typo would otherwise be ignored and the default built)."""
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} {overrides!r} is not valid JSON ({error}).") from None
+    overrides = {} if overrides is None else overrides
+    if not isinstance(overrides, dict):
+        raise ValueError(
+            f"{name} must be a JSON object of VecaConfig fields, e.g. '{{\"num_hidden_layers\": 6}}', got a "
+            f"{type(overrides).__name__}: {overrides!r}."
+        )
+    fields = set(VecaConfig.__dataclass_fields__) | {"out_features", "out_indices", "num_labels"}
+    unknown = sorted(key for key in overrides if key not in fields or key.startswith("_"))
+    if unknown:
+        close = {key: difflib.get_close_matches(key, sorted(fields), n=1) for key in unknown}
+        hints = ", ".join(f"{key!r}" + (f" (did you mean {match[0]!r}?)" if match else "")
+                          for key, match in close.items())  # fmt: skip
+        raise ValueError(f"{name}: unknown VecaConfig field(s) {hints}.")
+    return dict(overrides)
+
+
 def build_student_config(
     student_config: str | None = None, student_preset: str | None = None, student_overrides: str | dict | None = None
 ) -> VecaConfig:
     """The student's `VecaConfig`: a saved config (folder or Hub id) or a preset (default `"veca-b16"`), with
     `student_overrides` (a dict or its JSON) applied on top. Backbone stages are recomputed from the new depth."""
-    overrides = json.loads(student_overrides) if isinstance(student_overrides, str) else dict(student_overrides or {})
+    overrides = parse_config_overrides(student_overrides)
     if not student_config:
         return VecaConfig.from_preset(student_preset or "veca-b16", **overrides)
     config = VecaConfig.from_pretrained(student_config)

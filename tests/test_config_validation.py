@@ -1,0 +1,81 @@
+"""Every bad configuration value is a `ValueError` naming the field and what is allowed, at config time; whatever
+values are drawn, a config and a forward either work or raise `ValueError`."""
+
+import pytest
+import torch
+from conftest import tiny_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from veca_hf import VecaConfig, VecaModel
+from veca_hf.distillation import build_student_config
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_attention_heads", 0, "num_attention_heads=0 must be a positive integer"),
+        ("num_attention_heads", -2, "num_attention_heads=-2 must be a positive integer"),
+        ("num_hidden_layers", 0, "num_hidden_layers=0 must be a positive integer"),
+        ("num_hidden_layers", -1, "num_hidden_layers=-1 must be a positive integer"),
+        ("patch_size", 0, "patch_size=0 must be a positive integer"),
+        ("num_channels", 0, "num_channels=0 must be a positive integer"),
+        ("hidden_size", 0, "hidden_size=0 must be a positive integer"),
+        ("intermediate_size", 0, "intermediate_size=0 must be a positive integer"),
+        ("core_chunk_size", 0, "core_chunk_size=0 must be a positive integer"),
+        ("layer_norm_eps", -1e-5, "layer_norm_eps=-1e-05 must be positive"),
+        ("rope_theta", 0.0, "rope_theta=0.0 must be positive"),
+        ("core_coordinate_init_candidates", 0, "core_coordinate_init_candidates=0 must be at least num_core_tokens"),
+        ("core_coordinate_init_candidates", 15, "core_coordinate_init_candidates=15 must be at least num_core_tokens"),
+        ("core_coordinate_init_range", 0.0, r"core_coordinate_init_range=0.0 must be in \(0, 1\]"),
+        ("pos_embed_rescale", 0.5, "pos_embed_rescale=0.5 must be None"),
+        ("pos_embed_jitter", 0.9, "pos_embed_jitter=0.9 must be None"),
+        ("pos_embed_shift", -0.1, "pos_embed_shift=-0.1 must be None"),
+        ("hidden_act", "swish2", "hidden_act='swish2' is not an activation"),
+    ],
+)
+def test_bad_values_are_value_errors_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**{field: value})
+
+
+def test_student_overrides_typos_and_non_objects_are_errors():
+    with pytest.raises(ValueError, match=r"unknown VecaConfig field\(s\) 'num_hiden_layers' \(did you mean "
+                                         r"'num_hidden_layers'\?\)"):  # fmt: skip
+        build_student_config(None, "veca-s16", '{"num_hiden_layers": 2}')
+    with pytest.raises(ValueError, match="must be a JSON object of VecaConfig fields.*got a list"):
+        build_student_config(None, "veca-s16", "[2]")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        build_student_config(None, "veca-s16", "{num_hidden_layers: 2}")
+    assert build_student_config(None, "veca-s16", '{"num_hidden_layers": 2}').num_hidden_layers == 2
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    hidden_size=st.integers(-4, 96),
+    num_attention_heads=st.integers(-2, 8),
+    num_hidden_layers=st.integers(-1, 3),
+    intermediate_size=st.integers(-1, 64),
+    patch_size=st.integers(-1, 9),
+    num_channels=st.integers(-1, 4),
+    num_core_tokens=st.integers(-8, 24),
+    core_chunk_size=st.integers(-1, 9),
+    core_coordinate_init_candidates=st.integers(-1, 40),
+    layer_norm_eps=st.floats(-1.0, 1.0, allow_nan=False),
+    pos_embed_rescale=st.one_of(st.none(), st.floats(0.0, 3.0)),
+    side=st.integers(1, 40),
+)
+def test_any_drawn_config_works_or_is_a_value_error(side, **values):
+    try:
+        config = VecaConfig(**values)
+    except ValueError:
+        return
+    model = VecaModel(config).eval()
+    pixel_values = torch.randn(1, max(config.num_channels, 1), side, side)
+    try:
+        with torch.no_grad():
+            outputs = model(pixel_values)
+    except ValueError:
+        return
+    grid = side // config.patch_size
+    assert outputs.last_hidden_state.shape == (1, config.num_core_tokens + grid * grid, config.hidden_size)
