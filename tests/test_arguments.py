@@ -158,10 +158,10 @@ def test_redact_secrets_hides_tokens_and_storage_keys_at_any_depth():
     }  # fmt: skip
     redacted = redact_secrets(values)
     assert redacted["hub_token"] == "<HUB_TOKEN>" and redacted["learning_rate"] == 1e-3 and redacted["push_to_hub"]
-    assert json.loads(redacted["storage_options"]) == {
+    assert json.loads(redacted["storage_options"]) == {  # every option's whole value: its names stay
         "key": "<REDACTED>",
         "secret": "<REDACTED>",
-        "client_kwargs": {"endpoint_url": "http://127.0.0.1"},
+        "client_kwargs": "<REDACTED>",
     }
     assert redacted["nested"] == {
         "aws_secret_access_key": "<REDACTED>",
@@ -170,3 +170,45 @@ def test_redact_secrets_hides_tokens_and_storage_keys_at_any_depth():
     }
     assert "hf_abc" not in json.dumps(redacted) and "s3cr3t" not in json.dumps(redacted)
     assert values["hub_token"] == "hf_abc"  # a copy
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"headers": {"Authorization": "Bearer FAKEsecret42", "Cookie": "session=FAKEsecret42"}},
+        {"passwd": "FAKEsecret42"}, {"auth": ["user", "FAKEsecret42"]},
+        {"client_kwargs": {"aws_session_token": "FAKEsecret42"}}, {"https": {"token": "FAKEsecret42"}},
+    ],
+)  # fmt: skip
+def test_every_storage_option_value_is_redacted(options):
+    from veca_hf.arguments import redact_secrets
+
+    for value in (json.dumps(options), options):  # the flag's JSON, or a dict from an arguments file
+        redacted = redact_secrets({"storage_options": value, "num_core_tokens": 8})
+        assert "FAKEsecret42" not in json.dumps(redacted)
+        assert set(
+            json.loads(redacted["storage_options"]) if isinstance(value, str) else redacted["storage_options"]
+        ) == set(options)
+        assert redacted["num_core_tokens"] == 8  # a count, not a credential
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("https://user:FAKEsecret42@host/data/shard-{00000..00003}.parquet",
+         "https://<REDACTED>@host/data/shard-{00000..00003}.parquet"),
+        ("https://bucket.s3.amazonaws.com/a.tar?X-Amz-Signature=FAKEsecret42&X-Amz-Date=1",
+         "https://bucket.s3.amazonaws.com/a.tar?<REDACTED>"),
+        ("https://acct.blob.core.windows.net/c/a.parquet?sig=FAKEsecret42", "https://acct.blob.core.windows.net/c/a.parquet?<REDACTED>"),
+        ("http://h:80/v.parquet?token=FAKEsecret42", "http://h:80/v.parquet?<REDACTED>"),
+        ("hf://datasets/org/name@refs%2Fconvert%2Fparquet/default/train/*.parquet",
+         "hf://datasets/org/name@refs%2Fconvert%2Fparquet/default/train/*.parquet"),
+    ],
+)  # fmt: skip
+def test_urls_lose_user_info_and_query_strings_wherever_they_appear(url, shown):
+    from veca_hf.arguments import redact_secrets, redact_urls
+
+    assert redact_urls(url) == shown
+    assert redact_urls(f"Unable to find '{url}' (503)") == f"Unable to find '{shown}' (503)"
+    redacted = redact_secrets({"dataset_name": url, "validation_split": f"{url},{url}", "nested": [{"url": url}]})
+    assert redacted == {"dataset_name": shown, "validation_split": f"{shown},{shown}", "nested": [{"url": shown}]}

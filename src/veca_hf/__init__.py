@@ -21,7 +21,7 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available
 
-from .allocator_veca import cpu_allocator_state, tune_cpu_allocator
+from .allocator import cpu_allocator_state, tune_cpu_allocator
 from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .image_processing_pil_veca import VecaImageProcessorPil
 from .image_processing_veca import VecaImageProcessor

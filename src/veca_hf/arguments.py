@@ -15,6 +15,7 @@ that is what keeps `null` as `None` (as strings it became `'None'`, or failed fo
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,37 +24,73 @@ import yaml
 from transformers import HfArgumentParser
 
 
-__all__ = ["ARGS_FILE_SUFFIXES", "parse_args_with_file", "redact_secrets"]
+__all__ = ["ARGS_FILE_SUFFIXES", "parse_args_with_file", "redact_secrets", "redact_urls"]
 
 ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
 
 # Names of values that are credentials, by a part of their (lower-case) name: Hub tokens, storage keys and secrets.
-_SECRET_NAME_PARTS = ("token", "secret", "password", "credential", "key")
+_SECRET_NAME_PARTS = ("token", "secret", "password", "passwd", "credential", "key", "auth", "cookie", "signature")
 _NOT_SECRET_NAMES = ("key_prefix", "keys", "push_to_hub")
+# Arguments whose every value is redacted: fsspec options hold credentials under names nobody can list in advance
+# (`headers`: `Authorization`, `Cookie`; `client_kwargs`; a protocol's own options).
+_WHOLLY_SECRET_NAMES = ("storage_options",)
+# A URL's user info (`user:pass@`) and its query string (signed URLs: `X-Amz-Signature=`, `sig=`, `token=`); a
+# comma ends a URL (lists of them in one flag).
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s?#,]*@)?(?P<rest>[^\s?#'\",]*)"
+                  r"(?P<query>\?[^\s#'\",]*)?")  # fmt: skip
 
 
 def _is_secret_name(name: str) -> bool:
     name = name.lower()
-    return name not in _NOT_SECRET_NAMES and any(part in name for part in _SECRET_NAME_PARTS)
+    if name in _NOT_SECRET_NAMES or name.endswith("_tokens"):  # counts such as num_core_tokens
+        return False
+    return any(part in name for part in _SECRET_NAME_PARTS)
+
+
+def redact_urls(text: str) -> str:
+    """`text` with the user info and the query string of every URL in it replaced by placeholders:
+    `https://user:pass@host/a.parquet?X-Amz-Signature=abc` -> `https://<REDACTED>@host/a.parquet?<REDACTED>`.
+    Use it for every URL that is logged, stored, put in a model card or an error message."""
+
+    def replace(match: re.Match) -> str:
+        userinfo = "<REDACTED>@" if match["userinfo"] else ""
+        query = "?<REDACTED>" if match["query"] and match["query"] != "?" else ""
+        return f"{match['scheme']}{userinfo}{match['rest']}{query}"
+
+    return _URL.sub(replace, text)
+
+
+def _redact_every_value(values):
+    if isinstance(values, dict):
+        return {name: "<REDACTED>" for name in values}
+    return "<REDACTED>"
 
 
 def redact_secrets(values):
     """
     A copy of `values` (arguments as a dict, possibly nested, with JSON strings such as `--storage_options`) in which
     every credential is replaced by a placeholder, the way `TrainingArguments` writes `<HUB_TOKEN>`: `hub_token` ->
-    `"<HUB_TOKEN>"`, and any other value whose name holds "token", "secret", "password", "credential" or "key" ->
-    `"<REDACTED>"`. Use it for everything that reaches a disk, a log or a tracker.
+    `"<HUB_TOKEN>"`; any other value whose name holds "token", "secret", "password", "credential", "key", "auth",
+    "cookie" or "signature" -> `"<REDACTED>"`; every value of `storage_options` (its option names stay); and the user
+    info and query string of every URL (`redact_urls`). Use it for everything that reaches a disk, a log or a tracker.
     """
     if isinstance(values, dict):
         redacted = {}
         for name, value in values.items():
-            if (
-                value is not None
-                and value != ""
-                and _is_secret_name(str(name))
-                and not isinstance(value, (dict, bool))
-            ):
+            if value is None or value == "" or isinstance(value, bool):
+                redacted[name] = value
+            elif str(name) in _WHOLLY_SECRET_NAMES:
+                parsed = value
+                if isinstance(value, str):
+                    try:
+                        parsed = json.loads(value)
+                    except ValueError:
+                        parsed = None
+                redacted[name] = (
+                    json.dumps(_redact_every_value(parsed)) if isinstance(value, str) else _redact_every_value(parsed)
+                )
+            elif _is_secret_name(str(name)) and not isinstance(value, dict):
                 redacted[name] = f"<{str(name).upper()}>" if str(name).endswith("_token") else "<REDACTED>"
             else:
                 redacted[name] = redact_secrets(value)
@@ -64,8 +101,10 @@ def redact_secrets(values):
         try:
             parsed = json.loads(values)
         except ValueError:
-            return values
-        return json.dumps(redact_secrets(parsed)) if isinstance(parsed, dict) else values
+            return redact_urls(values)
+        return json.dumps(redact_secrets(parsed)) if isinstance(parsed, dict) else redact_urls(values)
+    if isinstance(values, str):
+        return redact_urls(values)
     return values
 
 

@@ -19,8 +19,8 @@ H heads, Hd head size, D hidden size, I SwiGLU hidden size.
 
 Where the tokens are (patch and core coordinates, the padding mask, 2D RoPE) lives in `positions_veca.py`.
 
-NOTE: this file imports only torch, transformers and its siblings `configuration_veca`, `positions_veca` and
-`allocator_veca` (relatively, so `save_pretrained` copies them too), so that a saved folder loads with
+NOTE: this file imports only torch, transformers and its siblings `configuration_veca` and `positions_veca`
+(relatively, so `save_pretrained` copies them too), so that a saved folder loads with
 `trust_remote_code=True` where `veca_hf` is not installed (deepspeed only lazily, when it partitioned the weights).
 """
 
@@ -40,7 +40,6 @@ from transformers.modeling_outputs import BackboneOutput, BaseModelOutputWithPoo
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
-from .allocator_veca import tune_cpu_allocator_once
 from .configuration_veca import VecaConfig
 from .positions_veca import (
     VecaRopePositionEmbedding,
@@ -593,8 +592,6 @@ class VecaModel(VecaPreTrainedModel):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         self._check_pixel_values(pixel_values)
         num_core_tokens = self.resolve_num_core_tokens(num_core_tokens)
-        if pixel_values.device.type == "cpu" and not torch.compiler.is_compiling():
-            tune_cpu_allocator_once()  # NOTE: glibc keeps large tensors in the heap (allocator_veca.py says why)
 
         pixel_values = pixel_values.to(self.embeddings.patch_embeddings.weight.dtype)
         batch_size, _, height, width = pixel_values.shape
