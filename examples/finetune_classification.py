@@ -35,9 +35,10 @@ import transformers
 from datasets import load_dataset
 from transformers import AutoImageProcessor, AutoModelForImageClassification, HfArgumentParser, TrainingArguments
 
-import veca_hf  # noqa: F401  (registers VECA with the Auto classes)
-from veca_hf.arguments import parse_args_with_file
+import veca_hf  # registers VECA with the Auto classes
+from veca_hf.arguments import parse_args_with_file, redact_urls
 from veca_hf.data import build_transform
+from veca_hf.hub import take_hub_token
 from veca_hf.metrics import load_metric
 from veca_hf.model_card import write_finetuned_model_card
 from veca_hf.training import (
@@ -101,6 +102,10 @@ def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
     # Flags, or a JSON / YAML file of them first (later flags override it).
     model_args, data_args, budget_args, training_args = parse_args_with_file(parser)
+    # NOTE: Trainer pickles its arguments into training_args.bin (output folder, checkpoints, upload): not the token.
+    take_hub_token(training_args)
+    if training_args.device.type == "cpu":
+        veca_hf.tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
     # NOTE: with `with_transform` the image column must reach the transform; Trainer would drop it otherwise.
     training_args.remove_unused_columns = False
 
@@ -210,7 +215,7 @@ def main():
 
     kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "image-classification"}
     if data_args.dataset_name is not None:
-        kwargs["dataset"] = data_args.dataset_name
+        kwargs["dataset"] = redact_urls(data_args.dataset_name)  # Trainer's card: no URL credentials
     if training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)  # saves the model, writes Trainer's card, uploads the folder
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import transformers
 from transformers import HfArgumentParser, TrainingArguments
 
-import veca_hf  # noqa: F401  (registers VECA with the Auto classes)
-from veca_hf.arguments import parse_args_with_file
+import veca_hf  # registers VECA with the Auto classes
+from veca_hf.arguments import parse_args_with_file, redact_urls
 from veca_hf.dense import (
     DEPTH_HEADS,
     DenseCollator,
@@ -54,6 +54,7 @@ from veca_hf.dense import (
     mean_depth,
     prepare_splits,
 )
+from veca_hf.hub import take_hub_token
 from veca_hf.model_card import write_finetuned_model_card
 from veca_hf.training import (
     BudgetArguments,
@@ -102,6 +103,10 @@ class DataTrainingArguments(DenseDataArguments):
 def main():
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
     model_args, data_args, budget_args, training_args = parse_args_with_file(parser)
+    # NOTE: Trainer pickles its arguments into training_args.bin (output folder, checkpoints, upload): not the token.
+    take_hub_token(training_args)
+    if training_args.device.type == "cpu":
+        veca_hf.tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
     # NOTE: with `with_transform` the image columns must reach the transform; Trainer would drop them otherwise.
     training_args.remove_unused_columns = False
     # NOTE: the metric keeps only each batch's valid pixels (not every depth map of the validation set).
@@ -182,10 +187,9 @@ def main():
     if training_args.do_eval:  # eval_results.json (merged into all_results.json): eval_C{C}_rmse, ...
         eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets_from_args(budget_args, model))
 
-    if training_args.push_to_hub:
-        trainer.push_to_hub(
-            finetuned_from=model_args.model_name_or_path, tasks="depth-estimation", dataset=data_args.source
-        )
+    if training_args.push_to_hub:  # Trainer's card names the data: without a URL's credentials
+        source = redact_urls(data_args.source) if data_args.source else None
+        trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="depth-estimation", dataset=source)
     write_finetuned_model_card(
         trainer,
         base_model=model_args.model_name_or_path,

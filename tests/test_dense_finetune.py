@@ -501,6 +501,7 @@ COMMON = [
 def script_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("VECA_HF_TUNE_MALLOC", "0")  # the scripts run in this process: leave its malloc alone
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
 
 

