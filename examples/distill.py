@@ -29,7 +29,12 @@ from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser
 
 from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
 from veca_hf.arguments import parse_args_with_file, redact_secrets
-from veca_hf.checkpointing import checkpoint_steps, load_checkpoint, resolve_resume_path, save_checkpoint
+from veca_hf.checkpointing import (
+    checkpoint_steps,
+    load_checkpoint,
+    resolve_resume_path_on_all_ranks,
+    save_checkpoint,
+)
 from veca_hf.data import (
     ImageStream,
     StreamRetries,
@@ -65,8 +70,6 @@ from veca_hf.faults import (
     PREEMPTED_EXIT_CODE,
     StepGuard,
     ignore_sigterm,
-    nan_teacher_injected,
-    pause_for_test,
     replicas_agree,
 )
 from veca_hf.hub import resolve_teacher_on_all_ranks
@@ -488,14 +491,15 @@ def main():
         warmup_from_min=args.warmup_from_min_learning_rate,
     )
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    # NOTE: the scheduler's state (plain numbers) goes into training_state.json, not into a pickle Accelerate would
+    # load with a full unpickle (`register_for_checkpointing`).
 
     checkpoints_dir = output_dir / "checkpoints"
     global_step, position, images_seen, skipped = 0, {"epoch": 0, "batches": 0}, 0, 0
     validation_history = []  # {"step": s, "losses": {budget: terms}} at every validation
     worker_keys = ("worker_batches", "last_worker")
     guard = StepGuard(args.max_consecutive_nonfinite_steps)
-    resume_path = resolve_resume_path(args.resume_from_checkpoint, checkpoints_dir)
+    resume_path = resolve_resume_path_on_all_ranks(accelerator, args.resume_from_checkpoint, checkpoints_dir)
     if resume_path is not None:
         training_state, process_state = load_checkpoint(accelerator, resume_path)
         guard.load_state_dict(training_state)
@@ -505,6 +509,11 @@ def main():
             process_state["images_seen"],
             process_state["skipped_images"],
         )
+        if "scheduler" in training_state:
+            scheduler.load_state_dict(training_state["scheduler"])
+        else:  # written before the schedule was stored: it depends on the step only
+            for _ in range(global_step):
+                scheduler.step()
         position = {
             "epoch": process_state["epoch"],
             "batches": process_state["batches"],
@@ -552,6 +561,7 @@ def main():
             training_state={
                 "step": global_step,
                 "num_processes": accelerator.num_processes,
+                "scheduler": scheduler.state_dict(),
                 **guard.state_dict(),
                 "validation_history": validation_history,
                 "args": run_arguments,
@@ -594,10 +604,6 @@ def main():
                     teacher_dtype,
                 )
                 teacher_time += time.perf_counter() - teacher_start
-                if nan_teacher_injected(
-                    global_step + 1, accelerator.process_index
-                ):  # test hook: a corrupt teacher output
-                    targets.cls.fill_(float("nan"))
                 with accelerator.accumulate(model):
                     with accelerator.autocast():
                         terms = model(pixel_values, budget, targets.cls, targets.patches)
@@ -649,7 +655,6 @@ def main():
             saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
             if saved or outcome.stop:
                 checkpoint_now()
-            pause_for_test(global_step, guard)
             if outcome.stop:
                 logger.warning(
                     f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "

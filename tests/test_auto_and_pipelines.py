@@ -2,6 +2,7 @@
 and the classification losses. Tiny configs only; nothing touches the network (HF_HUB_OFFLINE=1, see conftest)."""
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -159,6 +160,22 @@ def test_auto_classes_load_saved_folder(tmp_path, pixel_values):
 # ---------------------------------------------------------------------------------------------------------------------
 # 2. VecaBackbone / AutoBackbone
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_re_saving_keeps_only_the_folders_own_code_in_auto_map(tmp_path, caplog):
+    """A config loaded with foreign `auto_map` entries (another repository's code, `repo--module.Class`) saves with
+    the shipped entries winning and the foreign ones dropped, with a warning."""
+    model = VecaModel(tiny_config())
+    model.config.auto_map = {"AutoModel": "evil/repo--modeling_evil.EvilModel",
+                             "AutoModelForImageClassification": "modeling_veca.Elsewhere",
+                             "AutoProcessor": "evil/repo--processing_evil.EvilProcessor"}  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        model.save_pretrained(tmp_path / "resaved")
+    auto_map = json.loads((tmp_path / "resaved" / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModel"] == "modeling_veca.VecaModel"
+    assert auto_map["AutoModelForImageClassification"] == "modeling_veca.VecaForImageClassification"
+    assert not any("--" in str(ref) for ref in auto_map.values()) and "AutoProcessor" not in auto_map
+    assert "another repository's code" in caplog.text and "evil/repo--processing_evil" in caplog.text
 
 
 def test_backbone_stage_selection_and_channels():

@@ -1,11 +1,14 @@
 """Checkpoints that survive faults (`veca_hf.checkpointing`), each fault injected: a damaged latest checkpoint, a full
-disk while saving, non-finite state. A real single-process `Accelerator` on a tiny linear model.
+disk while saving, non-finite state, a save killed mid-way, a file replaced by code-running pickle, another process
+count. A real single-process `Accelerator` on a tiny linear model.
 """
 
 import errno
 import json
 import logging
 import os
+import pickle
+import shutil
 from pathlib import Path
 
 import accelerate.checkpointing
@@ -15,11 +18,15 @@ from conftest import prepared_linear
 
 from veca_hf.checkpointing import (
     MANIFEST_NAME,
+    UnsafeCheckpointError,
     checkpoint_problem,
+    clean_up_interrupted_saves,
     find_latest_checkpoint,
     load_checkpoint,
     resolve_resume_path,
+    resolve_resume_path_on_all_ranks,
     save_checkpoint,
+    write_manifest,
 )
 
 
@@ -131,3 +138,92 @@ def test_non_finite_state_is_never_saved(accelerator, tmp_path, where):
         _save(accelerator, tmp_path, 2, check_finite=(model, optimizer))
     assert ("bias" if where == "weights" else "'exp_avg_sq' of weight") in str(error.value)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trust: a checkpoint never runs code; another process count; interrupted re-saves
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _RunsCode:
+    """Unpickling this runs code: it creates the file `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def _plant(path: Path, marker: Path) -> None:
+    """Replace `path` by a code-running pickle in the format its name suggests (torch's zip for torch files)."""
+    if path.suffix in (".bin", ".pkl", ".pt", ".pth"):
+        torch.save({"state": _RunsCode(marker)}, path)
+    else:
+        path.write_bytes(pickle.dumps(_RunsCode(marker)))
+    write_manifest(path.parent)  # the manifest proves a checkpoint is whole, not who wrote it
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl", "training_state.json",
+     "process_state_0.json", "manifest.json"],
+)  # fmt: skip
+def test_a_code_running_pickle_in_any_checkpoint_file_never_runs(accelerator, tmp_path, name):
+    model, optimizer = prepared_linear(accelerator)
+    _train_step(accelerator, model, optimizer)
+    path = _save(accelerator, tmp_path, 2)
+    assert "random_states_0.pkl" in os.listdir(path) and "custom_checkpoint_0.pkl" not in os.listdir(path)
+    marker = tmp_path / "code-ran"
+    planted = path / name
+    _plant(planted, marker)
+    if name == "manifest.json":
+        planted.write_bytes(pickle.dumps(_RunsCode(marker)))  # not rewritten by itself: the checkpoint is damaged
+        with pytest.raises(ValueError, match="no complete checkpoint.*unreadable manifest.json"):
+            resolve_resume_path("latest", tmp_path)
+    else:
+        resumed = resolve_resume_path("latest", tmp_path)
+        with pytest.raises(UnsafeCheckpointError, match=f"Refusing to resume from {path}: {name} ") as error:
+            load_checkpoint(accelerator, resumed)
+        assert "you trust" in str(error.value)
+    assert not marker.exists()
+
+
+def test_resuming_with_another_process_count_is_a_clear_error(accelerator, tmp_path):
+    model, optimizer = prepared_linear(accelerator)
+    path = save_checkpoint(accelerator, tmp_path, 2, training_state={"step": 2, "num_processes": 2},
+                           process_state={"batches": 2})  # fmt: skip
+    saved = model.weight.detach().clone()
+    _train_step(accelerator, model, optimizer)
+    with pytest.raises(ValueError, match="written by a run with 2 processes; this run has 1.*--num_processes 2"):
+        load_checkpoint(accelerator, path)
+    assert not torch.equal(model.weight, saved)  # refused before anything was restored
+
+
+def test_an_interrupted_re_save_keeps_the_old_copy_and_leftovers_are_cleaned(accelerator, tmp_path, monkeypatch):
+    model, optimizer = prepared_linear(accelerator)
+    first = _save(accelerator, tmp_path, 2)
+    weights = (first / "model.safetensors").read_bytes()
+    _train_step(accelerator, model, optimizer)
+    real_replace, calls = os.replace, []
+
+    def killed_after_setting_aside(source, target):  # the process dies between the two renames
+        calls.append(Path(target).name)
+        if Path(target).name == "checkpoint-2":
+            raise KeyboardInterrupt
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", killed_after_setting_aside)
+    with pytest.raises(KeyboardInterrupt):
+        _save(accelerator, tmp_path, 2)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert ".old-checkpoint-2" in calls and not first.exists()  # never deleted before the new copy was in place
+    clean_up_interrupted_saves(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"] and checkpoint_problem(first) is None
+    assert (first / "model.safetensors").read_bytes() == weights  # the old copy is back
+    # a re-save that completes replaces it; a temporary folder left by a killed save is removed at the next start
+    _save(accelerator, tmp_path, 2)
+    assert (first / "model.safetensors").read_bytes() != weights and checkpoint_problem(first) is None
+    shutil.copytree(first, tmp_path / ".tmp-checkpoint-3")
+    assert resolve_resume_path_on_all_ranks(accelerator, "latest", tmp_path) == first
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]

@@ -62,3 +62,21 @@ def test_zero3_trains_like_zero2(results):
     if set(results) != {2, 3}:
         pytest.skip("needs both stages' runs")
     assert results[3]["losses"] == pytest.approx(results[2]["losses"], rel=1e-4)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_checkpoints_restore_as_data_and_a_planted_pickle_never_runs(stage, tmp_path):
+    """DeepSpeed's engine loads its files with a full unpickle; `load_checkpoint` checks each one first and forces
+    weights_only=True, allowing only DeepSpeed's plain data classes (`deepspeed_safe_globals`)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               str(Path(__file__).parent / "deepspeed_checkpoint.py"), "--stage", str(stage),
+               "--output_dir", str(tmp_path)]  # fmt: skip
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert any(name.endswith("optim_states.pt") for name in result["files"])  # DeepSpeed's own files
+    assert result["changed"] and result["restored"]  # the second step was undone by the restore
+    assert not result["code_ran"]
+    assert f"{result['planted']} would run code to load" in result["refused"]

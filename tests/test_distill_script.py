@@ -24,6 +24,8 @@ from veca_hf.distillation import dense_student_config
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "distill.py"
+# distill.py with faults injected by patching (VECA_HF_TEST_NAN_TEACHER_STEPS, VECA_HF_TEST_PAUSE_AFTER_STEP)
+FAULTS_SCRIPT = Path(__file__).parent / "distill_with_faults.py"
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,8 @@ def run_env() -> dict:
 def run_distill(
     args: list[str], launcher: list[str] | None = None, timeout: int = 300, env: dict | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    command = (launcher or [sys.executable]) + [str(SCRIPT)] + args
+    script = FAULTS_SCRIPT if any(name.startswith("VECA_HF_TEST_") for name in env or {}) else SCRIPT
+    command = (launcher or [sys.executable]) + [str(script)] + args
     env = {**run_env(), "ACCELERATE_USE_CPU": "true", **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if check:
@@ -179,7 +182,8 @@ def assert_same_final_weights(reference_dir: Path, resumed_dir: Path) -> None:
 
 
 def start_when_checkpoint_2_exists(command: list[str], output_dir: Path, **popen_kwargs) -> subprocess.Popen:
-    """Starts the run; it waits after step 2 (a test hook) until it is signalled, so the test decides when it stops."""
+    """Starts the run (`command` runs FAULTS_SCRIPT); it waits after step 2 until it is signalled, so the test decides
+    when it stops."""
     env = {**run_env(), "VECA_HF_TEST_PAUSE_AFTER_STEP": "2"}
     process = subprocess.Popen(command, env=env, cwd=ROOT, **popen_kwargs)
     deadline = time.time() + 240
@@ -194,7 +198,7 @@ def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path, uninterrupt
     steps, resumed_dir = INTERRUPTED_RUN, tmp_path / "killed"
 
     # Start the same run, SIGKILL it once checkpoint-2 is complete, then resume from "latest".
-    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **steps)
+    command = [sys.executable, str(FAULTS_SCRIPT)] + distill_args(workspace, resumed_dir, **steps)
     process = start_when_checkpoint_2_exists(
         command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -208,7 +212,7 @@ def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path, uninterrupt
 def test_sigterm_writes_a_checkpoint_exits_143_and_resumes_to_the_same_weights(workspace, tmp_path, uninterrupted_run):
     """Preemption as SLURM does it: SIGTERM to the whole process group (the DataLoader workers too)."""
     resumed_dir = tmp_path / "preempted"
-    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, resumed_dir, **INTERRUPTED_RUN)
+    command = [sys.executable, str(FAULTS_SCRIPT)] + distill_args(workspace, resumed_dir, **INTERRUPTED_RUN)
     process = start_when_checkpoint_2_exists(
         command, resumed_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -222,6 +226,34 @@ def test_sigterm_writes_a_checkpoint_exits_143_and_resumes_to_the_same_weights(w
     assert "Traceback" not in stderr
     run_distill(distill_args(workspace, resumed_dir, resume_from_checkpoint="latest", **INTERRUPTED_RUN))
     assert_same_final_weights(uninterrupted_run, resumed_dir)
+
+
+def test_resume_never_runs_code_planted_in_a_checkpoint(workspace, tmp_path):
+    """The audit's reproduction: a pickle whose unpickling runs code, written as the scheduler's
+    `custom_checkpoint_0.pkl` with the manifest rewritten, is refused by name and its code never runs; the schedule
+    itself is JSON in training_state.json."""
+    import pickle
+
+    from veca_hf.checkpointing import write_manifest
+
+    output_dir = tmp_path / "planted"
+    run_distill(distill_args(workspace, output_dir, max_train_steps=2))
+    checkpoint = output_dir / "checkpoints" / "checkpoint-2"
+    assert not list(checkpoint.glob("custom_checkpoint_*"))  # nothing of ours needs a full unpickle
+    state = json.loads((checkpoint / "training_state.json").read_text())
+    assert state["scheduler"]["last_epoch"] == 2 and len(state["scheduler"]["_last_lr"]) >= 1
+    marker = tmp_path / "code-ran"
+
+    class RunsCode:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').close()",)
+
+    torch.save({"last_epoch": RunsCode()}, checkpoint / "custom_checkpoint_0.pkl", pickle_module=pickle)
+    write_manifest(checkpoint)
+    result = run_distill(distill_args(workspace, output_dir, max_train_steps=4, resume_from_checkpoint="latest"),
+                         check=False)  # fmt: skip
+    assert result.returncode != 0 and not marker.exists()
+    assert f"Refusing to resume from {checkpoint}: custom_checkpoint_0.pkl would run code to load" in result.stderr
 
 
 def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):

@@ -7,6 +7,11 @@ rename is `manifest.json` (the size and SHA-256 of every other file), so a check
 a truncated copy) is recognised: `find_latest_checkpoint` skips it and falls back to the newest complete one.
 A failed save (disk full) removes its temporary folder and says so; older checkpoints are rotated away
 (`total_limit`) only after the new one is complete, and non-finite weights or optimiser states are never saved.
+
+Resuming never runs code from a checkpoint: the manifest proves a checkpoint is whole, not who wrote it, so before
+anything is restored every file is checked to load as data (`check_loads_as_data`: JSON, safetensors headers, and
+torch files through `torch.load(weights_only=True)`), and a file that would need a full unpickle is refused with an
+error naming it. Plain-number state (the learning-rate schedule) is stored as JSON, not pickled.
 """
 
 import contextlib
@@ -15,11 +20,13 @@ import hashlib
 import json
 import logging as python_logging
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from transformers.utils import logging
 
 from .faults import any_process, nonfinite_tensor_names
@@ -182,6 +189,46 @@ def resolve_resume_path(resume_from_checkpoint: str | None, checkpoints_dir: str
     return path
 
 
+def clean_up_interrupted_saves(checkpoints_dir: str | Path) -> None:
+    """What a save killed mid-way leaves: `.tmp-checkpoint-*` folders are removed, and an `.old-checkpoint-N` (a
+    complete checkpoint set aside while `checkpoint-N` was re-saved) is put back if the new one never arrived, else
+    removed. Call it on one process, before resolving the checkpoint to resume from."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return
+    for path in checkpoints_dir.iterdir():
+        if path.name.startswith(".tmp-checkpoint-"):
+            logger.warning(f"Removing {path}: a checkpoint whose save was interrupted.")
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith(".old-checkpoint-"):
+            final = checkpoints_dir / path.name.removeprefix(".old-")
+            if final.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                logger.warning(f"Restoring {final} from {path.name}: its re-save was interrupted.")
+                os.replace(path, final)
+
+
+def resolve_resume_path_on_all_ranks(accelerator, resume_from_checkpoint: str | None, checkpoints_dir) -> Path | None:
+    """`resolve_resume_path` on the main process only (after `clean_up_interrupted_saves`), its answer broadcast to
+    every process: all resume from the same checkpoint, and a `ValueError` is raised on every process."""
+    from accelerate.utils import broadcast_object_list
+
+    answer = [None, None]  # (path, error message)
+    if accelerator.is_main_process:
+        try:
+            clean_up_interrupted_saves(checkpoints_dir)
+            path = resolve_resume_path(resume_from_checkpoint, checkpoints_dir)
+            answer = [None if path is None else str(path), None]
+        except ValueError as error:
+            answer = [None, str(error)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(answer, from_process=0)
+    if answer[1] is not None:
+        raise ValueError(answer[1])
+    return None if answer[0] is None else Path(answer[0])
+
+
 def save_checkpoint(
     accelerator,
     checkpoints_dir: str | Path,
@@ -257,9 +304,12 @@ def save_checkpoint(
             "Free space there (or lower --checkpoints_total_limit), then resume with --resume_from_checkpoint latest."
         ) from error
     if accelerator.is_main_process:
-        if final.exists():  # re-saving the same step after a resume
-            shutil.rmtree(final)
+        set_aside = checkpoints_dir / f".old-checkpoint-{step}"
+        if final.exists():  # re-saving the same step after a resume: the old copy is set aside, not deleted first
+            shutil.rmtree(set_aside, ignore_errors=True)
+            os.replace(final, set_aside)
         os.replace(temporary, final)
+        shutil.rmtree(set_aside, ignore_errors=True)
         if total_limit:
             _rotate(checkpoints_dir, total_limit)
         logger.info(f"Saved checkpoint {final}")
@@ -282,18 +332,123 @@ def _rotate(checkpoints_dir: Path, total_limit: int) -> None:
             shutil.rmtree(checkpoints_dir / f"checkpoint-{old_step}", ignore_errors=True)
 
 
+# Files torch.save writes (Accelerate: optimizer.bin, random_states_*.pkl; DeepSpeed: *.pt).
+TORCH_FILE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded as plain data (it would need a full unpickle, or is not what its name
+    says)."""
+
+
+def _refuse(path: Path, why: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"Refusing to resume from {path.parent}: {path.name} {why}. A checkpoint holds only tensors, plain numbers "
+        "and JSON, so this file was replaced or written by other code. Resume only from checkpoints you (or someone "
+        "you trust) wrote; see docs/training.md, 'What is loaded safely'."
+    )
+
+
+def check_loads_as_data(folder: str | Path, safe_globals: list | None = None) -> None:
+    """
+    Checks that every file of a checkpoint folder loads as data, without running code from it: JSON files parse,
+    safetensors headers parse, and every torch file (`.bin`, `.pkl`, `.pt`, `.pth`) loads with
+    `torch.load(weights_only=True)` (memory-mapped where possible, so only its pickle is read).
+
+    Args:
+        folder (`str` or `Path`): a checkpoint folder.
+        safe_globals (`list`, *optional*): classes allowed in torch files beyond tensors and plain containers
+            (Accelerate's NumPy RNG state types are always allowed).
+
+    Raises:
+        `UnsafeCheckpointError` (a `ValueError`): naming the first file that does not load as data.
+    """
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+    from safetensors import safe_open
+
+    allowed = [*TORCH_SAFE_GLOBALS, *(safe_globals or [])]
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        if path.suffix == ".json":
+            try:
+                json.loads(path.read_text())
+            except (UnicodeDecodeError, ValueError) as error:
+                raise _refuse(path, f"is not JSON ({type(error).__name__})") from None
+        elif path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt"):
+                    pass
+            except Exception as error:  # safetensors' SafetensorError
+                raise _refuse(path, f"is not a safetensors file ({error})") from None
+        elif path.suffix in TORCH_FILE_SUFFIXES:
+            with torch.serialization.safe_globals(allowed):
+                try:
+                    try:
+                        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                    except RuntimeError as error:  # not a zip file (legacy format): mmap is impossible
+                        if "zip" not in str(error).lower() and "mmap" not in str(error).lower():
+                            raise
+                        torch.load(path, map_location="cpu", weights_only=True)
+                except pickle.UnpicklingError as error:
+                    reason = str(error).strip().splitlines()
+                    detail = next((line for line in reason if "GLOBAL" in line or "Unsupported" in line), reason[0])
+                    raise _refuse(path, f"would run code to load: torch.load(weights_only=True) refuses it "
+                                        f"({detail.strip()})") from None  # fmt: skip
+                except Exception as error:
+                    raise _refuse(path, f"is not a torch file ({type(error).__name__}: {error})") from None
+
+
+def deepspeed_safe_globals() -> list:
+    """The plain data classes DeepSpeed's ZeRO-2/3 optimiser states pickle (an int enum, the loss scaler's two numbers,
+    a fragment's offset and size): allowed in `torch.load(weights_only=True)`, which refuses anything else."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+@contextlib.contextmanager
+def _weights_only_loading(safe_globals: list) -> Iterator[None]:
+    """Every `torch.load` inside loads with `weights_only=True`, also where a library asks for a full unpickle
+    (DeepSpeed's checkpoint engine, Accelerate's custom objects): `TORCH_FORCE_WEIGHTS_ONLY_LOAD` for the duration."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(safe_globals):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
 def load_checkpoint(accelerator, path: str | Path) -> tuple[dict, dict]:
-    """Restores what `save_checkpoint` wrote; returns `(training_state, this process's state)`."""
+    """Restores what `save_checkpoint` wrote, after `check_loads_as_data`, with every `torch.load` forced to
+    `weights_only=True` (DeepSpeed's engine included); returns `(training_state, this process's state)`."""
+    from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
     path = Path(path)
-    with _accelerate_warnings_only():
-        accelerator.load_state(str(path))
+    safe_globals = deepspeed_safe_globals() if accelerator.state.deepspeed_plugin is not None else []
+    check_loads_as_data(path, safe_globals)
     training_state = json.loads((path / TRAINING_STATE_NAME).read_text())
+    saved_processes = training_state.get("num_processes")
+    if saved_processes is not None and saved_processes != accelerator.num_processes:
+        # NOTE: raised on every process before any collective, so no rank waits for another that stopped.
+        raise ValueError(
+            f"{path} was written by a run with {saved_processes} processes; this run has "
+            f"{accelerator.num_processes}. Each process's position in its share of the data is part of the "
+            f"checkpoint, so resume with {saved_processes} processes (accelerate launch --num_processes "
+            f"{saved_processes}), or start a new run without --resume_from_checkpoint."
+        )
     process_file = path / process_state_name(accelerator.process_index)
     if not process_file.is_file():
         raise ValueError(
             f"{path} has no state for process {accelerator.process_index}: it was written by a run with fewer "
             "processes. Resume with the same number of processes."
         )
+    with _accelerate_warnings_only(), _weights_only_loading([*TORCH_SAFE_GLOBALS, *safe_globals]):
+        accelerator.load_state(str(path))
     return training_state, json.loads(process_file.read_text())
 
 
@@ -304,10 +459,15 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 __all__ = [
+    "UnsafeCheckpointError",
+    "check_loads_as_data",
     "checkpoint_problem",
+    "clean_up_interrupted_saves",
+    "deepspeed_safe_globals",
     "find_latest_checkpoint",
     "load_checkpoint",
     "resolve_resume_path",
+    "resolve_resume_path_on_all_ranks",
     "save_checkpoint",
     "write_manifest",
 ]

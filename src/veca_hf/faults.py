@@ -22,9 +22,7 @@ if outcome.stop:
 """
 
 import math
-import os
 import signal
-import time
 from dataclasses import dataclass
 
 import torch
@@ -222,39 +220,6 @@ class StepGuard:
         self.consecutive_nonfinite_steps = int(state.get("consecutive_nonfinite_steps", 0))
 
 
-# A test hook: "STEP[:RANK],..." makes the teacher's outputs NaN at those optimiser steps (on every rank, or on RANK).
-NAN_TEACHER_ENV = "VECA_HF_TEST_NAN_TEACHER_STEPS"
-
-
-def nan_teacher_injected(step: int, process_index: int) -> bool:
-    """Whether the test hook `VECA_HF_TEST_NAN_TEACHER_STEPS` asks for a corrupt (NaN) teacher output here."""
-    for item in filter(None, os.environ.get(NAN_TEACHER_ENV, "").replace(" ", "").split(",")):
-        at_step, _, rank = item.partition(":")
-        if int(at_step) == step and (not rank or int(rank) == process_index):
-            return True
-    return False
-
-
-# A test hook: "STEP" makes the run wait after that optimiser step (and its checkpoint) until it is signalled, so
-# that a test, not a race, decides when a run is interrupted.
-PAUSE_ENV = "VECA_HF_TEST_PAUSE_AFTER_STEP"
-
-
-def pause_for_test(step: int, guard: "StepGuard") -> None:
-    """Under the test hook `VECA_HF_TEST_PAUSE_AFTER_STEP`, after that step: wait until SIGUSR1 (the run goes on),
-    SIGTERM (it goes on to its next step, checkpoints and exits) or a kill."""
-    if os.environ.get(PAUSE_ENV, "") != str(step):
-        return
-    resumed = []
-    previous = signal.signal(signal.SIGUSR1, lambda *args: resumed.append(True))
-    logger.warning(f"Paused after step {step} (test hook {PAUSE_ENV}); SIGUSR1 continues, SIGTERM stops.")
-    try:
-        while not (guard.stop_requested or resumed):
-            time.sleep(0.02)
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-
-
 def ignore_sigterm(worker_id: int | None = None) -> None:
     """A DataLoader `worker_init_fn`: workers ignore SIGTERM, so that a SIGTERM sent to the whole process group
     (SLURM does) leaves them serving the main process until it has written its checkpoint.
@@ -273,8 +238,6 @@ __all__ = [
     "any_process",
     "gradients_are_finite",
     "ignore_sigterm",
-    "nan_teacher_injected",
-    "pause_for_test",
     "nonfinite_tensor_names",
     "replicas_agree",
 ]

@@ -414,7 +414,14 @@ class VecaPreTrainedModel(PreTrainedModel):
             os.makedirs(save_directory, exist_ok=True)
             for module in {ref.split(".")[0] for ref in shipped.values()}:
                 shutil.copyfile(here / f"{module}.py", Path(save_directory) / f"{module}.py")
-        self.config.auto_map = {**shipped, **(getattr(self.config, "auto_map", None) or {})}
+        # NOTE: the shipped entries win, and `repo--module` entries (code from another repository, e.g. left in a
+        # config loaded from elsewhere) are dropped: a re-saved folder points `trust_remote_code` at its own code only.
+        existing = getattr(self.config, "auto_map", None) or {}
+        foreign = {key: ref for key, ref in existing.items() if "--" in str(ref)}
+        if foreign:
+            logger.warning(f"Not saving auto_map entries that point at another repository's code: {foreign}.")
+        kept = {key: ref for key, ref in existing.items() if key not in foreign}
+        self.config.auto_map = {**kept, **shipped}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
