@@ -2,13 +2,18 @@
 
 It answers HEAD and GET (with byte ranges, as fsspec asks) for the files of one folder on 127.0.0.1. Faults are
 queued per file and consumed one per *data* request (a GET with a Range header, what reading a shard sends), or per
-request of any kind with `on="any"`:
+request of any kind (HEAD and whole-file GETs too, what finding a file sends) with `on="any"` or for a fault written
+`"any:<fault>"`:
 
 - `"drop"`: send half of the answer's bytes, then close the connection;
 - `"503"`: answer 503 Service Unavailable;
 - `"stall"`: wait `stall_seconds` before answering (longer than the client's read timeout).
+
+With `auth=(user, password)` it answers 401 to requests without that HTTP basic auth, and with `query="k=v"` 403 to
+requests whose query string lacks it (a signed URL's signature), so that a test sees the real URL was used.
 """
 
+import base64
 import functools
 import http.server
 import os
@@ -28,11 +33,39 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = self.state.directory / self.path.split("?")[0].lstrip("/")
         return path if path.is_file() else None
 
+    def _refused(self) -> bool:
+        """Answer 401 or 403 (and say so) when the request lacks the credentials the server asks for."""
+        state = self.state
+        if state.auth is not None:
+            expected = "Basic " + base64.b64encode(":".join(state.auth).encode()).decode()
+            if self.headers.get("Authorization") != expected:
+                self.send_error(401)
+                return True
+        if state.query is not None and state.query not in self.path.partition("?")[2].split("&"):
+            self.send_error(403)
+            return True
+        return False
+
     @property
     def state(self) -> "ShardServer":
         return self.server.state
 
     def do_HEAD(self):
+        name = self.path.split("?")[0]
+        fault = self.state.next_fault(name, ranged=False)
+        self.state.requests.append((name, None, fault))
+        if fault == "503":
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if fault == "stall":
+            time.sleep(self.state.stall_seconds)
+        if fault == "drop":
+            self.connection.shutdown(2)
+            return
+        if self._refused():
+            return
         file = self._file()
         if file is None:
             self.send_error(404)
@@ -51,6 +84,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(503)
             self.send_header("Content-Length", "0")
             self.end_headers()
+            return
+        if self._refused():
             return
         file = self._file()
         if file is None:
@@ -83,13 +118,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class ShardServer:
     """`with ShardServer(folder, faults={"/a.parquet": ["drop"]}) as server: server.url("a.parquet")`.
 
-    `stop()` closes the port for good (connections are refused); `start()` opens it again on the same port."""
+    `requests` records `(path, range header or None, fault)` per request. `stop()` closes the port for good
+    (connections are refused); `start()` opens it again on the same port."""
 
     def __init__(self, directory: str | os.PathLike, faults: dict | None = None, on: str = "range",
-                 stall_seconds: float = 3.0, port: int = 0):  # fmt: skip
+                 stall_seconds: float = 3.0, port: int = 0, auth: tuple[str, str] | None = None,
+                 query: str | None = None):  # fmt: skip
         self.directory = Path(directory)
         self.faults = {name: list(kinds) for name, kinds in (faults or {}).items()}
         self.on, self.stall_seconds, self.port = on, stall_seconds, port
+        self.auth, self.query = auth, query
         self.requests: list[tuple] = []
         self._lock = threading.Lock()
         self._server = None
@@ -97,8 +135,8 @@ class ShardServer:
     def next_fault(self, name: str, ranged: bool) -> str | None:
         with self._lock:
             queue = self.faults.get(name)
-            if queue and (ranged or self.on == "any"):
-                return queue.pop(0)
+            if queue and (ranged or self.on == "any" or queue[0].startswith("any:")):
+                return queue.pop(0).removeprefix("any:")
         return None
 
     def url(self, name: str = "") -> str:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import datasets
 import numpy as np
@@ -18,8 +19,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from shard_server import ShardServer
 from test_distill_script import (  # noqa: F401 (workspace: the fixture)
+    FAULTS_SCRIPT,
     ROOT,
-    SCRIPT,
     distill_args,
     run_distill,
     run_env,
@@ -32,6 +33,7 @@ from veca_hf.data import (
     StreamRetries,
     build_transform,
     check_shard_count,
+    collate_images,
     expand_braces,
     load_image_dataset,
     parse_storage_options,
@@ -172,6 +174,211 @@ def test_the_resume_reader_picks_storage_options_as_datasets_does():
     assert _options_for("/data/a.parquet", {"hf": {"token": None}}) == {}
 
 
+def _keep_retry_config(monkeypatch):
+    """Restore `datasets`' streaming retries (which `StreamRetries.configure` sets process-wide) after the test."""
+    for name in dir(datasets.config):
+        if name.startswith("STREAMING_") and "RETR" in name:
+            monkeypatch.setattr(datasets.config, name, getattr(datasets.config, name))
+
+
+def test_finding_every_shard_is_retried_like_a_read(shards, caplog):
+    """Two 503s for every shard's first requests (fsspec's HEAD, then its GET): each file is found again after a
+    logged retry, and the data is complete; a shard that never answers stops with a ConnectionError naming it."""
+    faults = {f"/train-{shard:05d}.parquet": ["any:503"] * 4 for shard in range(NUM_SHARDS)}
+    with caplog.at_level(logging.WARNING), ShardServer(shards, faults=faults) as server:
+        dataset = load_image_dataset(server.url("train-{00000..00007}.parquet"), retries=StreamRetries(5, 0.01))
+        rows = list(dataset.cast_column("image", datasets.Image(decode=False)))
+        injected = [fault for _, _, fault in server.requests if fault is not None]
+        retried = [record.getMessage() for record in caplog.records if "retry" in record.getMessage()]
+        server.faults = {"/train-00003.parquet": ["any:503"] * 100}
+        with pytest.raises(ConnectionError, match="after 3 attempts") as gone:
+            load_image_dataset(server.url("train-{00000..00007}.parquet"), retries=StreamRetries(3, 0.01))
+    assert len(rows) == NUM_SHARDS * 8 and injected == ["503"] * 4 * NUM_SHARDS
+    for shard in range(NUM_SHARDS):  # two failed attempts per shard, each logged with its URL
+        assert sum(server.url(f"train-{shard:05d}.parquet") in message for message in retried) == 2, retried
+    assert server.url("train-00003.parquet") in str(gone.value) and "--stream_retries" in str(gone.value)
+
+
+def test_a_missing_shard_fails_at_once_naming_it(shards):
+    """A 404 is not a passing fault: no retries (20 attempts 1 s apart would take minutes), a ValueError naming
+    the missing shards and what to check."""
+    start = time.monotonic()
+    with ShardServer(shards) as server, pytest.raises(ValueError, match="2 of the 4 remote data file") as missing:
+        load_image_dataset(server.url("train-{00006..00009}.parquet"), retries=StreamRetries(20, 1.0))
+    assert time.monotonic() - start < 5.0
+    message = str(missing.value)
+    assert server.url("train-00008.parquet") in message and server.url("train-00009.parquet") in message
+    assert "train-00007" not in message and "brace range" in message
+
+
+SECRET = "FAKEsecret42"  # the password or signature of every URL below: in no log record, error or sample source
+CREDENTIALS = {"userinfo": dict(auth=("user", SECRET)), "signature": dict(query=f"X-Amz-Signature={SECRET}")}
+
+
+def _url_with_credentials(server: ShardServer, name: str, form: str) -> str:
+    if form == "userinfo":
+        return server.url(name).replace("http://", f"http://user:{SECRET}@")
+    return f"{server.url(name)}?X-Amz-Signature={SECRET}"
+
+
+def test_errors_out_of_the_retries_are_redacted_and_spent_retries_say_so():
+    """An error that is not a passing fault is raised at once, of its type, with its URL redacted and no chain that
+    holds the secret; a passing fault that never passes ends in a ConnectionError naming the attempts."""
+    url = f"http://user:{SECRET}@127.0.0.1:9/shard-00000.parquet?X-Amz-Signature={SECRET}"
+    calls = []
+
+    def missing():
+        calls.append(1)
+        raise FileNotFoundError(f"Unable to find {url!r}") from OSError(f"404 for {url}")
+
+    with pytest.raises(FileNotFoundError) as error:
+        StreamRetries(5, 0.0).call(missing, url, not_found_attempts=1)
+    text = "".join(traceback.format_exception(error.value))
+    assert len(calls) == 1 and SECRET not in text
+    assert "http://<REDACTED>@127.0.0.1:9/shard-00000.parquet?<REDACTED>" in str(error.value)
+
+    def refused():
+        raise ConnectionRefusedError(f"Cannot connect to {url}")
+
+    with pytest.raises(ConnectionError, match="failed after 3 attempts") as error:
+        StreamRetries(3, 0.0).call(refused, url)
+    assert "--stream_retries" in str(error.value)
+    assert SECRET not in "".join(traceback.format_exception(error.value))
+
+
+@pytest.fixture(scope="module")
+def credential_files(tmp_path_factory):
+    """Eight PNG images, and two parquet shards of them whose stored paths are signed URLs (as a dataset built from
+    a list of URLs keeps them)."""
+    folder = tmp_path_factory.mktemp("credentials")
+    rng = np.random.default_rng(2)
+    features = datasets.Features({"image": datasets.Image()})
+    for shard in range(2):
+        images = []
+        for index in range(4 * shard, 4 * shard + 4):
+            image = Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+            image.save(folder / f"img-{index}.png")
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            path = f"https://images.example/img-{index}.png?X-Amz-Signature={SECRET}"
+            images.append({"bytes": buffer.getvalue(), "path": path})
+        table = datasets.Dataset.from_dict({"image": images}, features=features)
+        table.to_parquet(str(folder / f"shard-{shard:05d}.parquet"))
+    return folder
+
+
+@pytest.mark.parametrize("form", list(CREDENTIALS))
+def test_credentials_in_urls_reach_no_log_error_or_sample_source(credential_files, form, caplog, monkeypatch):
+    """Shard URLs with a password or a signature, served by a server that refuses requests without it: the data
+    loads through 503s and dropped connections (the real URL is read), and the secret is in no log record, no error
+    (with its chain, as a traceback prints it) and no `sources` entry, which name the URLs redacted."""
+    _keep_retry_config(monkeypatch)
+    retries = StreamRetries(5, 0.01)
+    retries.configure()
+    faults = {f"/shard-{shard:05d}.parquet": ["any:503", "any:503", "drop"] for shard in range(2)}
+    with caplog.at_level(logging.INFO), ShardServer(credential_files, faults=faults, **CREDENTIALS[form]) as server:
+        if form == "userinfo":
+            urls = _url_with_credentials(server, "shard-{00000..00001}.parquet", form)
+        else:  # a signed URL per shard
+            urls = " ".join(_url_with_credentials(server, f"shard-{shard:05d}.parquet", form) for shard in range(2))
+        dataset = load_image_dataset(urls, retries=retries, timeout=2.0)
+        stream = ImageStream(dataset, "image", build_transform(32, train=True), seed=0, shuffle_buffer_size=0)
+        batches = list(torch.utils.data.DataLoader(stream, batch_size=4, collate_fn=collate_images))
+        with pytest.raises(ValueError, match="1 of the 2 remote data file") as missing:
+            load_image_dataset(_url_with_credentials(server, "shard-{00001..00002}.parquet", form), retries=retries)
+        StreamRetries(2, 0.01).configure()
+        server.faults = {f"/shard-{shard:05d}.parquet": ["503"] * 100 for shard in range(2)}  # every read
+        with pytest.raises(RuntimeError, match="failed for good") as failed:
+            list(ImageStream(dataset, "image", build_transform(32, train=True), seed=0, shuffle_buffer_size=0))
+    assert sum(len(batch["pixel_values"]) for batch in batches) == 8  # read with the credentials (401/403 without)
+    sources = [source for batch in batches for source in batch["sources"]]
+    assert sources == [f"https://images.example/img-{index}.png?<REDACTED>" for index in range(8)]
+    messages = [record.getMessage() for record in caplog.records]
+    redacted = "http://<REDACTED>@127.0.0.1" if form == "userinfo" else ".parquet?<REDACTED>"
+    assert any(redacted in message and "etry" in message for message in messages), messages  # retries were logged
+    assert [message for message in messages if SECRET in message] == []
+    assert redacted in str(missing.value) and "shard-00002.parquet" in str(missing.value)
+    assert "127.0.0.1" in str(failed.value)
+    for error in (missing.value, failed.value):
+        assert SECRET not in "".join(traceback.format_exception(error))
+
+
+def test_remote_images_are_read_with_their_credentials_and_sourced_without(credential_files):
+    """An image folder by URLs with a password: each image is read with it, its source is the redacted URL."""
+    with ShardServer(credential_files, **CREDENTIALS["userinfo"]) as server:
+        dataset = load_image_dataset(_url_with_credentials(server, "img-{0..7}.png", "userinfo"))
+        stream = ImageStream(dataset, "image", build_transform(32, train=True), seed=0, shuffle_buffer_size=0)
+        batches = list(torch.utils.data.DataLoader(stream, batch_size=4, collate_fn=collate_images))
+    assert sum(len(batch["pixel_values"]) for batch in batches) == 8
+    sources = [source for batch in batches for source in batch["sources"]]
+    assert sources == [server.url(f"img-{index}.png").replace("http://", "http://<REDACTED>@") for index in range(8)]
+
+
+# A process that streams remote shards through one DataLoader worker; it waits for a line on stdin between opening
+# the dataset and iterating, so that the server can turn to 503s for the worker only.
+RETRYING_PARENT = """
+import sys
+import torch
+from veca_hf.data import ImageStream, StreamRetries, build_transform, collate_images, load_image_dataset
+
+retries = StreamRetries(50, 2.0)  # minutes of retries: 50 x 2 s in datasets' read loop, as many reopenings after
+retries.configure()
+stream = ImageStream(load_image_dataset(sys.argv[1], retries=retries), "image", build_transform(32, train=True),
+                     seed=0, shuffle_buffer_size=0)
+print("ready", flush=True)
+sys.stdin.readline()
+for batch in torch.utils.data.DataLoader(stream, batch_size=2, num_workers=1, collate_fn=collate_images):
+    print("batch", flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie left to a parent that does not reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_retrying_worker_exits_when_its_parent_is_killed(shards, tmp_path):
+    """A DataLoader worker retrying reads against a server that answers only 503 (for minutes: 50 attempts 2 s apart)
+    is gone within seconds of its parent's SIGKILL."""
+    with ShardServer(shards) as server, open(tmp_path / "stderr.txt", "w") as stderr:
+        parent = subprocess.Popen([sys.executable, "-c", RETRYING_PARENT, server.url("train-{00000..00007}.parquet")],
+                                  cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                  env=run_env())  # fmt: skip
+        try:
+            assert parent.stdout.readline().strip() == "ready", (tmp_path / "stderr.txt").read_text()[-3000:]
+            server.faults = {f"/train-{shard:05d}.parquet": ["503"] * 10_000 for shard in range(NUM_SHARDS)}
+            parent.stdin.write("go\n")
+            parent.stdin.flush()
+            deadline = time.monotonic() + 60
+            while sum(fault == "503" for _, _, fault in server.requests) < 2:  # the worker is in its retries
+                assert parent.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+                time.sleep(0.05)
+            workers = subprocess.run(["ps", "--ppid", str(parent.pid), "-o", "pid="], capture_output=True, text=True)
+            (worker,) = (int(pid) for pid in workers.stdout.split())
+            parent.kill()
+            parent.wait()
+            killed = time.monotonic()
+            while _alive(worker) and time.monotonic() - killed < 10:
+                time.sleep(0.05)
+            alive_for = time.monotonic() - killed
+        finally:
+            parent.kill()
+            parent.wait()
+        requests_after = len(server.requests)
+        time.sleep(1.0)
+        still_asking = len(server.requests) > requests_after
+    survived = _alive(worker)
+    if survived:
+        os.kill(worker, signal.SIGKILL)
+    assert not survived and alive_for < 5.0, f"the worker outlived its parent by {alive_for:.1f} s (or more)"
+    assert not still_asking
+
+
 REMOTE_RUN = dict(max_train_steps=12, checkpointing_steps=2, validation_steps=100, validation_size=4,
                   dataloader_num_workers=2, stream_retries=5, stream_retry_wait=0.05, stream_timeout=1.0)  # fmt: skip
 
@@ -206,12 +413,23 @@ def test_a_flaky_server_trains_the_same_weights(workspace, shards, clean_run, tm
         assert any(f"{server.url(name)}.parquet" in line for line in retries), (name, retries)
 
 
+def test_a_503_on_first_contact_with_every_shard_trains_the_same_weights(workspace, shards, clean_run, tmp_path):  # noqa: F811
+    """Every shard answers 503 to its first request (finding the file, before any read) and drops its first transfer:
+    each data file is resolved with the retries of a read, and the run trains what a clean one does."""
+    faults = {f"/train-{shard:05d}.parquet": ["any:503", "drop"] for shard in range(NUM_SHARDS)}
+    with ShardServer(shards, faults=faults) as server:
+        run_distill(remote_args(workspace, server, tmp_path / "first-contact"))
+        injected = [fault for _, _, fault in server.requests if fault is not None]
+    assert sorted(injected) == ["503"] * NUM_SHARDS + ["drop"] * NUM_SHARDS
+    assert_same_weights(clean_run, tmp_path / "first-contact")
+
+
 def test_a_server_gone_for_good_stops_the_run_clearly_and_it_resumes_when_back(workspace, shards, clean_run, tmp_path):  # noqa: F811
     output_dir = tmp_path / "outage"
     server = ShardServer(shards).start()
     args = remote_args(workspace, server, output_dir)
-    process = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                               env={**run_env(), "VECA_HF_TEST_PAUSE_AFTER_STEP": "2"})  # fmt: skip
+    process = subprocess.Popen([sys.executable, str(FAULTS_SCRIPT), *args], cwd=ROOT, stderr=subprocess.PIPE,
+                               text=True, env={**run_env(), "VECA_HF_TEST_PAUSE_AFTER_STEP": "2"})  # fmt: skip
     deadline = time.time() + 240
     while not (output_dir / "checkpoints" / "checkpoint-2").is_dir():
         assert process.poll() is None and time.time() < deadline, "no checkpoint-2"
@@ -244,7 +462,7 @@ def test_a_worker_killed_from_outside_stops_the_run_with_a_clear_error(workspace
     and never hangs."""
     output_dir = tmp_path / "killed-worker"
     with ShardServer(shards) as server:
-        process = subprocess.Popen([sys.executable, str(SCRIPT), *remote_args(workspace, server, output_dir)],
+        process = subprocess.Popen([sys.executable, str(FAULTS_SCRIPT), *remote_args(workspace, server, output_dir)],
                                    cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                    env={**run_env(), "VECA_HF_TEST_PAUSE_AFTER_STEP": "2"})  # fmt: skip
         deadline = time.time() + 240

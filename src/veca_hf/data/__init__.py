@@ -49,6 +49,7 @@ from .sources import (
     is_remote,
     load_image_dataset,
     parse_storage_options,
+    resolve_data_files,
     resolve_remote_files,
 )
 from .stream import ImageStream, infinite_batches, resume_plan
@@ -73,6 +74,7 @@ __all__ = [
     "load_image_dataset",
     "parse_storage_options",
     "resize_batch",
+    "resolve_data_files",
     "resolve_remote_files",
     "resume_plan",
 ]

@@ -10,6 +10,8 @@ import PIL.Image
 import PIL.ImageFile
 from transformers.utils import logging
 
+from ..arguments import redact_urls
+
 
 logger = logging.get_logger(__name__)
 
@@ -76,7 +78,7 @@ def decode_image(value: Any, min_size: int = 32) -> tuple[PIL.Image.Image | None
         return _to_rgb(image), None
     except Exception as error:  # NOTE: bad data must never stop the stream: PIL raises many exception types
         path = value.get("path") if isinstance(value, dict) else None
-        logger.debug(f"Undecodable image {path!r}: {type(error).__name__}: {error}")
+        logger.debug(redact_urls(f"Undecodable image {path!r}: {type(error).__name__}: {error}"))
         return None, SKIP_UNDECODABLE
     finally:
         PIL.ImageFile.LOAD_TRUNCATED_IMAGES = previous

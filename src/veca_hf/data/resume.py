@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 from datasets.table import table_cast
 from transformers.utils import logging
 
+from ..arguments import redact_urls
 from .sources import is_transient_network_error
 
 
@@ -97,8 +98,8 @@ def _with_retries(function, url: str):
         except Exception as error:
             if attempt == attempts or not is_transient_network_error(error):
                 raise
-            logger.warning(f"Reading the footer of {url} failed ({type(error).__name__}: {error}); retry {attempt}/"
-                           f"{attempts - 1} in {wait:g} s.")  # fmt: skip
+            logger.warning(redact_urls(f"Reading the footer of {url} failed ({type(error).__name__}: {error}); retry "
+                                       f"{attempt}/{attempts - 1} in {wait:g} s."))  # fmt: skip
             time.sleep(wait)
 
 
@@ -114,7 +115,7 @@ def _read_metadata(handle) -> pq.FileMetaData:
     handle.seek(size - 8)
     tail = handle.read(8)  # footer length (4 bytes, little endian) + b"PAR1"
     if len(tail) != 8 or tail[4:] != b"PAR1":
-        raise ValueError(f"{getattr(handle, 'path', handle)} is not a parquet file (no PAR1 footer).")
+        raise ValueError(redact_urls(f"{getattr(handle, 'path', handle)} is not a parquet file (no PAR1 footer)."))
     length = int.from_bytes(tail[:4], "little")
     handle.seek(size - 8 - length)
     footer = handle.read(length)
@@ -193,8 +194,9 @@ class ParquetResume:
             with _open(self.files[shard], self.storage_options) as handle:
                 parquet = pq.ParquetFile(handle, metadata=self.metadata[shard], pre_buffer=False)
                 table = parquet.read_row_group(group, columns=[self.column])
-        except Exception as error:  # NOTE: name the file, so that the stream's retry and error messages can
-            raise OSError(f"Reading row group {group} of {self.files[shard]} failed: {error}") from error
+        except Exception as error:  # NOTE: name the file, so that the stream's retry and error messages can; the
+            # stream tells a passing fault by the chain, and redacts it before raising further (`safe_cause`)
+            raise OSError(redact_urls(f"Reading row group {group} of {self.files[shard]} failed: {error}")) from error
         table = table_cast(table, datasets.Features({self.column: self.feature}).arrow_schema)
         column = self.feature.decode_example if getattr(self.feature, "decode", False) else None
         values = table.column(self.column).to_pylist()

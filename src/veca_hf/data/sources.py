@@ -1,7 +1,12 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """Finding the data: local image folders, parquet and webdataset shards, globs, Hub datasets and remote shards
 (`https://`, `s3://`, `gs://`, `hf://`, any fsspec filesystem), opened as streamed `datasets` datasets; broken
-shards; retries over the network; the image column."""
+shards; retries over the network; the image column.
+
+NOTE: a URL may carry credentials (`https://user:password@host/...`, a signed URL's `?X-Amz-Signature=...`): the
+real URL is what is read, but every log line and error message of `veca_hf.data` that names one passes it through
+`veca_hf.arguments.redact_urls`.
+"""
 
 import glob
 import inspect
@@ -12,13 +17,19 @@ import re
 import tarfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import datasets
-from datasets.data_files import DataFilesDict, get_data_patterns
+from datasets.data_files import DataFilesDict, DataFilesList, _get_single_origin_metadata, get_data_patterns
+from datasets.download import DownloadConfig
 from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+from datasets.utils.file_utils import _prepare_path_and_storage_options
+from huggingface_hub import HfFileSystem
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.utils import logging
+
+from ..arguments import redact_urls
 
 
 logger = logging.get_logger(__name__)
@@ -97,19 +108,23 @@ def resolve_remote_files(dataset_name: str, storage_options: dict | None = None)
     """
     The remote shard URLs `dataset_name` stands for, in order: brace ranges and lists expanded, several URLs split,
     and globs (`*`, `?`, `[`) listed on filesystems that can list (S3, GCS, `hf://`, local `file://`; plain HTTP
-    cannot: give brace ranges or lists there).
+    cannot: give brace ranges or lists there; a `?` there starts the query string, e.g. a signed URL's signature).
     """
     files = []
     for source in split_sources(dataset_name):
         for url in expand_braces(source):
-            if any(character in url.split("://", 1)[1] for character in _GLOB_CHARACTERS):
+            path = url.split("://", 1)[1]
+            if url.startswith(("http://", "https://")):
+                path = path.split("?", 1)[0]
+            if any(character in path for character in _GLOB_CHARACTERS):
                 filesystem, path = _filesystem(url, storage_options)
                 if url.startswith(("http://", "https://")):
-                    raise ValueError(f"{url!r}: HTTP servers cannot be listed; name the shards with a brace range "
-                                     "such as https://host/shard-{00000..00127}.tar, or a list of URLs.")  # fmt: skip
+                    raise ValueError(f"{redact_urls(repr(url))}: HTTP servers cannot be listed; name the shards "
+                                     "with a brace range such as https://host/shard-{00000..00127}.tar, or a list of "
+                                     "URLs.")  # fmt: skip
                 matches = sorted(filesystem.glob(path))
                 if not matches:
-                    raise ValueError(f"No files match {url!r}.")
+                    raise ValueError(redact_urls(f"No files match {url!r}."))
                 files += [filesystem.unstrip_protocol(match) for match in matches]
             else:
                 files.append(url)
@@ -149,11 +164,12 @@ class StreamRetries:
     How streaming survives a flaky network: `datasets` retries a failed read of an open shard (a dropped
     connection, a timeout, a 5xx answer) by asking again for the same byte range, so a retried read yields exactly
     the bytes of a clean one; this sets how often and how long it waits (`configure`, in every process and
-    DataLoader worker, since they fork after it), retries opening the dataset itself (`call`), and makes each retry
-    logged with the URL it concerns (`datasets`' own message omits it).
+    DataLoader worker, since they fork after it), retries finding each data file and opening the dataset itself
+    (`resolve_data_files`, `call`), and makes each retry logged with the URL it concerns (`datasets`' own message
+    omits it), redacted.
 
     Args:
-        retries (`int`): attempts per read or open before the error is raised.
+        retries (`int`): attempts per read, open or data file before the error is raised.
         wait (`float`): seconds between attempts (doubled after each failed attempt when opening, up to 60 s).
     """
 
@@ -163,33 +179,115 @@ class StreamRetries:
         self.retries, self.wait = retries, wait
 
     def configure(self) -> None:
-        """Set `datasets`' streaming retries and add the URL to its retry warnings."""
+        """Set `datasets`' streaming retries, add the URL to its retry warnings and redact the URLs it logs."""
         config = datasets.config
         config.STREAMING_READ_MAX_RETRIES = config.STREAMING_OPEN_MAX_RETRIES = self.retries
         config.STREAMING_READ_RETRY_INTERVAL = config.STREAMING_OPEN_RETRY_INTERVAL = self.wait
         config.STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL = self.wait
-        retry_logger = python_logging.getLogger("datasets.utils.file_utils")
-        if not any(isinstance(f, _RetryUrlFilter) for f in retry_logger.filters):
-            retry_logger.addFilter(_RetryUrlFilter())
+        redact_datasets_logs()
 
-    def call(self, function: Callable[[], Any], what: str) -> Any:
-        """`function()`, retried on connection errors and 5xx answers (opening a remote dataset asks the server for
-        every shard's size first; `datasets` does not retry that)."""
-        wait = self.wait
+    def call(self, function: Callable[[], Any], what: str, not_found_attempts: int = 3) -> Any:
+        """
+        `function()`, retried on connection errors, timeouts and 5xx answers; other errors are raised at once.
+
+        Args:
+            function (`Callable`): what to run, e.g. opening a remote dataset.
+            what (`str`): what it does, for the messages (redacted there).
+            not_found_attempts (`int`, *optional*, defaults to 3): attempts for a `FileNotFoundError` that names a
+                remote URL and hides its cause (`datasets` reports a 503 while opening a shard as one); 1 where the
+                cause is kept, so that a missing file fails at once.
+
+        Raises:
+            `ConnectionError`: once the attempts are spent, naming `what` and the last error. Other errors are raised
+            as they are, or, when their message names a URL's credentials, as an error of their type with the
+            redacted message (without the chain, which a traceback would print).
+        """
+        wait, what = self.wait, redact_urls(what)
         for attempt in range(1, self.retries + 1):
             try:
                 return function()
             except Exception as error:  # noqa: BLE001 - filtered just below
-                # NOTE: `datasets` reports any failure to find a remote file, a 503 included, as FileNotFoundError
-                # without its cause: a few attempts tell a passing fault from a missing file.
+                transient = is_transient_network_error(error)
                 unclear = isinstance(error, FileNotFoundError) and remote_url_in_error(error) is not None
-                retry = is_transient_network_error(error) or (unclear and attempt < 3)
-                if not retry or attempt == self.retries:
-                    raise
+                if transient and attempt == self.retries:
+                    raise ConnectionError(
+                        f"Opening {what} failed after {self.retries} attempts (--stream_retries), with "
+                        f"{_describe(error)}. The server or the network is down: run again once it is back, or allow "
+                        "more attempts with --stream_retries and --stream_retry_wait."
+                    ) from safe_cause(error)
+                if not transient and not (unclear and attempt < min(not_found_attempts, self.retries)):
+                    redacted = redact_error(error)
+                    if redacted is error:
+                        raise
+                    raise redacted from None
                 logger.warning(f"Opening {what} failed ({_describe(error)}); retry {attempt}/{self.retries - 1} in "
                                f"{wait:g} s.")  # fmt: skip
                 time.sleep(wait)
                 wait = min(2 * wait, 60.0)
+
+
+def _origin_metadata(file: str, download_config: DownloadConfig) -> tuple:
+    """What `datasets` records of a data file to tell its versions apart (its ETag or mtime, the Hub revision), as
+    `datasets.data_files._get_single_origin_metadata` reads it; FileNotFoundError if there is no such file."""
+    import fsspec
+
+    url, options = _prepare_path_and_storage_options(file, download_config=download_config)
+    filesystem, path = fsspec.core.url_to_fs(url, **options)
+    info = filesystem.info(path)  # HTTP: HEAD, then GET; a 404 is a FileNotFoundError whose cause says so
+    if info.get("type") != "file":
+        raise FileNotFoundError(redact_urls(f"{file} is a {info.get('type')}, not a file."))
+    if isinstance(filesystem, HfFileSystem):  # the revision (the file's info is cached: no second request)
+        return _get_single_origin_metadata(file, download_config=download_config)
+    return next(((str(info[key]),) for key in ("ETag", "etag", "mtime") if key in info), ())
+
+
+def resolve_data_files(
+    files: Sequence[str], storage_options: dict | None = None, retries: "StreamRetries | None" = None
+) -> DataFilesList:
+    """
+    Remote data files resolved as `datasets.load_dataset` resolves them (each must exist; its ETag, mtime or Hub
+    revision is recorded), each file with the retries of a read.
+
+    `datasets` finds every data file before streaming and gives up at the first 5xx answer, timeout or dropped
+    connection, as a `FileNotFoundError` that hides it; a `DataFilesList` passed as `data_files={split: ...}` is not
+    resolved again. Files are resolved in parallel, as `datasets` does.
+
+    Args:
+        files (`Sequence[str]`): URLs (`resolve_remote_files`).
+        storage_options (`dict`, *optional*): their fsspec options, as `datasets.load_dataset` takes them.
+        retries (`StreamRetries`, *optional*): attempts and wait (default: 20 attempts, 5 s apart).
+
+    Returns:
+        `datasets.data_files.DataFilesList`: the files, in order, with their origin metadata.
+
+    Raises:
+        `ValueError`: naming the files that do not exist (a 404 is not retried).
+        `ConnectionError`: if a file cannot be reached in `retries.retries` attempts.
+    """
+    retries = retries or StreamRetries()
+    download_config = DownloadConfig()
+    download_config.storage_options.update(storage_options or {})
+
+    def resolve(file: str) -> tuple | FileNotFoundError:
+        try:
+            return retries.call(lambda: _origin_metadata(file, download_config), file, not_found_attempts=1)
+        except FileNotFoundError as error:  # not a passing fault: reported with the others below
+            return error
+
+    workers = max(1, min(len(files), datasets.config.HF_DATASETS_MULTITHREADING_MAX_WORKERS))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(resolve, files))
+    missing = [file for file, result in zip(files, results, strict=True) if isinstance(result, FileNotFoundError)]
+    if missing:
+        listing = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            redact_urls(
+                f"{len(missing)} of the {len(files)} remote data file(s) do not exist: {listing}. Check "
+                "--dataset_name: the host, the path and the brace range (shard-{00000..00127} names every shard "
+                "from the first to the last, zero-padded as written)."
+            )
+        )
+    return DataFilesList(list(files), list(results))
 
 
 def _exception_chain(error: BaseException):
@@ -214,7 +312,25 @@ def is_transient_network_error(error: BaseException) -> bool:
 
 
 def _describe(error: BaseException) -> str:
-    return "; ".join(f"{type(e).__name__}: {str(e)[:200]}" for e in _exception_chain(error))
+    """The chain of `error`, one `Type: message` each, redacted."""
+    return redact_urls("; ".join(f"{type(e).__name__}: {str(e)[:200]}" for e in _exception_chain(error)))
+
+
+def safe_cause(error: BaseException) -> BaseException | None:
+    """`error`, to chain a redacted error to (`raise ... from safe_cause(error)`), or None when an error of its chain
+    names a URL's credentials: a traceback prints every cause."""
+    return None if any(redact_urls(str(item)) != str(item) for item in _exception_chain(error)) else error
+
+
+def redact_error(error: Exception) -> Exception:
+    """`error` itself, or when an error of its chain names a URL's credentials, an error of the same type (a
+    `RuntimeError` for types that cannot be built from a message) whose message is the redacted chain."""
+    if safe_cause(error) is error:
+        return error
+    try:
+        return type(error)(_describe(error))
+    except Exception:  # NOTE: e.g. aiohttp's errors need the request they answer
+        return RuntimeError(_describe(error))
 
 
 def remote_url_in_error(error: BaseException) -> str | None:
@@ -226,7 +342,37 @@ def remote_url_in_error(error: BaseException) -> str | None:
     return None
 
 
-class _RetryUrlFilter(python_logging.Filter):
+class _RedactingFilter(python_logging.Filter):
+    """Passes a record's URLs through `redact_urls` (on a logger, before any handler sees it)."""
+
+    def filter(self, record: python_logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_urls(message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
+# `datasets`' modules that log the names of the files they stream (a failed read, a bad parquet schema).
+_DATASETS_LOGGERS = (
+    "datasets.builder",
+    "datasets.iterable_dataset",
+    "datasets.packaged_modules.folder_based_builder.folder_based_builder",
+    "datasets.packaged_modules.parquet.parquet",
+    "datasets.packaged_modules.webdataset.webdataset",
+)
+
+
+def redact_datasets_logs() -> None:
+    """Redact the URLs that `datasets` logs while streaming (its retries also get the URL, `_RetryUrlFilter`)."""
+    for name in ("datasets.utils.file_utils", *_DATASETS_LOGGERS):
+        named = python_logging.getLogger(name)
+        kind = _RetryUrlFilter if name == "datasets.utils.file_utils" else _RedactingFilter
+        if not any(isinstance(f, kind) for f in named.filters):
+            named.addFilter(kind())
+
+
+class _RetryUrlFilter(_RedactingFilter):
     """Adds the URL to `datasets`' "Got disconnected from remote data host. Retrying ..." warnings.
 
     NOTE: the message is logged inside `datasets`' retry loop, whose frame holds the bound `read` of the open file
@@ -238,7 +384,7 @@ class _RetryUrlFilter(python_logging.Filter):
             if url:
                 record.msg = f"{record.msg} ({url})"
                 record.args = ()
-        return True
+        return _RedactingFilter.filter(self, record)
 
     @staticmethod
     def _url() -> str | None:
@@ -268,8 +414,9 @@ def check_shard_count(dataset, world_size: int, num_workers: int) -> None:
 
 
 def _builder_for_files(files: list[str], source: str) -> str:
-    """The packaged `datasets` builder for a list of local files: parquet, then webdataset tars, then images."""
-    extensions = {os.path.splitext(file)[1].lower() for file in files}
+    """The packaged `datasets` builder for a list of files: parquet, then webdataset tars, then images."""
+    # NOTE: a URL's query string (a signed URL's signature) is not part of its extension.
+    extensions = {os.path.splitext(file.split("?")[0] if is_remote(file) else file)[1].lower() for file in files}
     if ".parquet" in extensions:
         return "parquet"
     if ".tar" in extensions:
@@ -277,7 +424,9 @@ def _builder_for_files(files: list[str], source: str) -> str:
     if extensions & _IMAGE_EXTENSIONS:
         return "imagefolder"
     raise ValueError(
-        f"{source!r} holds no image, parquet or webdataset (.tar) files (found extensions: {sorted(extensions)})."
+        redact_urls(
+            f"{source!r} holds no image, parquet or webdataset (.tar) files (found extensions: {sorted(extensions)})."
+        )
     )
 
 
@@ -399,7 +548,7 @@ def load_image_dataset(
         storage_options (`dict`, *optional*):
             fsspec options of remote shards, e.g. `{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}`.
         retries (`StreamRetries`, *optional*):
-            Retries for opening remote shards (default: 20 attempts, 5 s apart).
+            Retries for finding and opening remote shards (default: 20 attempts, 5 s apart).
         timeout (`float`, *optional*, defaults to 60):
             Seconds before a stalled HTTP(S) connection or read counts as failed (and is retried).
         broken_shards (`str`, *optional*, defaults to `"skip"`):
@@ -411,7 +560,9 @@ def load_image_dataset(
 
     Raises:
         `ValueError`: if `dataset_name` is neither an existing local path nor a valid Hub id, if the local
-        folder or glob holds no usable files, or if a shard is broken and `broken_shards="error"`.
+        folder or glob holds no usable files, if a remote file does not exist, or if a shard is broken and
+        `broken_shards="error"`.
+        `ConnectionError`: if the remote files cannot be reached in `retries.retries` attempts.
     """
     if broken_shards not in ("skip", "error"):
         raise ValueError(f"--broken_shards {broken_shards!r} is not one of 'skip', 'error'.")
@@ -419,15 +570,19 @@ def load_image_dataset(
         raise ValueError("`dataset_name` is empty: pass a local folder, glob or file, or a Hub dataset id.")
     if is_remote(dataset_name) or (dataset_name.lstrip().startswith("[") and "://" in dataset_name):
         retries = retries or StreamRetries()
+        redact_datasets_logs()
         files = retries.call(lambda: resolve_remote_files(dataset_name, storage_options), repr(dataset_name))
         builder = _builder_for_files(files, dataset_name)
         options = http_timeout_options(files, storage_options, timeout)
+        data_files = resolve_data_files(files, options, retries)
         logger.info(
-            f"Streaming {len(files)} remote file(s) of {dataset_name!r} with the {builder!r} builder as {split!r}."
+            redact_urls(
+                f"Streaming {len(files)} remote file(s) of {dataset_name!r} with the {builder!r} builder as {split!r}."
+            )
         )
         return retries.call(
             lambda: datasets.load_dataset(
-                builder, data_files={split: files}, split=split, streaming=streaming, storage_options=options
+                builder, data_files={split: data_files}, split=split, streaming=streaming, storage_options=options
             ),
             f"{len(files)} remote file(s) of {dataset_name!r}",
         )

@@ -2,6 +2,8 @@
 """The deterministic, resumable stream: per epoch, per rank and per DataLoader worker, with skipping before decoding
 on resume."""
 
+import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -13,12 +15,43 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from transformers.utils import logging
 
+from ..arguments import redact_urls
 from .decoding import decode_image
 from .resume import POSITION_COLUMN, ParquetResume, parquet_files_of
-from .sources import detect_image_column, is_transient_network_error, remote_url_in_error
+from .sources import (
+    detect_image_column,
+    is_transient_network_error,
+    redact_datasets_logs,
+    remote_url_in_error,
+    safe_cause,
+)
 
 
 logger = logging.get_logger(__name__)
+
+_PARENT_CHECK_SECONDS = 0.5
+_watching_pid: int | None = None  # the DataLoader worker whose parent a thread watches
+
+
+def exit_with_parent() -> None:
+    """In a DataLoader worker, start (once) a daemon thread that ends the worker as soon as its parent is gone.
+
+    NOTE: torch's workers check their parent only between fetches. One that retries a failing read (`datasets`'
+    read retries, then the stream's reopening: `--stream_retries` x `--stream_retry_wait` each) is inside a fetch,
+    and would outlive a killed run for minutes, asking the server again and again."""
+    global _watching_pid
+    if torch.utils.data.get_worker_info() is None or _watching_pid == os.getpid():
+        return
+    # NOTE: the OS parent, as torch's own watchdog records it (`multiprocessing.parent_process()` would be the
+    # DataLoader's process, which is not the OS parent of a worker started by a forkserver).
+    _watching_pid, parent_pid = os.getpid(), os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:  # an orphan is adopted by init (or a subreaper): its parent pid changes
+            time.sleep(_PARENT_CHECK_SECONDS)
+        os._exit(1)  # NOTE: no cleanup: nobody is left to hand a batch to, and a retry may hold locks
+
+    threading.Thread(target=watch, name="veca_hf-exit-with-parent", daemon=True).start()
 
 
 def _sample_seed(*keys: int) -> int:
@@ -39,6 +72,7 @@ class ImageStream(torch.utils.data.IterableDataset):
     DataLoader workers: when the rank's stream has at least as many shards as workers, `datasets` hands each worker
     whole shards. Otherwise (a streamed image folder is a single shard) every worker walks the rank's whole stream
     of *undecoded* examples and decodes only every `num_workers`-th one, so all workers decode and none duplicates.
+    A worker exits as soon as its parent process is gone, also in the middle of network retries (`exit_with_parent`).
 
     Random augmentation is seeded per sample from `(seed, epoch, rank, stream, index)`, where `index` counts the
     examples of the rank's stream (of the worker's stream when workers own whole shards, then `stream` is the worker
@@ -169,8 +203,10 @@ class ImageStream(torch.utils.data.IterableDataset):
             self._twin = resume.build()
         except Exception as error:  # NOTE: never worse than before: the stream reads the consumed part again
             logger.warning(
-                f"Could not read the row groups of the {len(files)} parquet shard(s) ({type(error).__name__}: "
-                f"{error}); the resumed epoch reads its consumed samples again instead."
+                redact_urls(
+                    f"Could not read the row groups of the {len(files)} parquet shard(s) ({type(error).__name__}: "
+                    f"{error}); the resumed epoch reads its consumed samples again instead."
+                )
             )
             return
         self._resume = resume
@@ -224,6 +260,8 @@ class ImageStream(torch.utils.data.IterableDataset):
             return self.transform(image)
 
     def __iter__(self):
+        exit_with_parent()
+        redact_datasets_logs()  # NOTE: again in a worker: a spawned one does not inherit the parent's filters
         epoch = self.epoch
         worker = torch.utils.data.get_worker_info()
         num_workers, worker_id = (worker.num_workers, worker.id) if worker is not None else (1, 0)
@@ -243,7 +281,7 @@ class ImageStream(torch.utils.data.IterableDataset):
             except StopIteration:
                 return
             except Exception as error:  # NOTE: a shard that breaks mid-read; images never raise (decode_image)
-                url = remote_url_in_error(error)
+                url = remote_url_in_error(error)  # redacted with the messages below
                 if url is not None and is_transient_network_error(error):
                     # NOTE: `datasets` retries failed reads of an open shard, not failures to open the next one:
                     # reopen the (deterministic) stream and pass over what this worker already read, undecoded.
@@ -254,30 +292,37 @@ class ImageStream(torch.utils.data.IterableDataset):
                     )
                     if failures < attempts:
                         logger.warning(
-                            f"Reading {url} failed ({type(error).__name__}: {error}); reopening the stream of rank "
-                            f"{self.rank}, worker {worker_id} where it was, attempt {failures}/{attempts - 1}, in "
-                            f"{wait:g} s."
+                            redact_urls(
+                                f"Reading {url} failed ({type(error).__name__}: {error}); reopening the stream of "
+                                f"rank {self.rank}, worker {worker_id} where it was, attempt {failures}/"
+                                f"{attempts - 1}, in {wait:g} s."
+                            )
                         )
                         time.sleep(wait)
                         values = self._values(epoch, num_workers, worker_id, next_skip)
                         continue
                     raise RuntimeError(
-                        f"Reading {url} failed for good (rank {self.rank}, epoch {epoch}, DataLoader worker "
-                        f"{worker_id}) after {attempts} attempts (--stream_retries), with {type(error).__name__}: "
-                        f"{error}. The server or the network is down: once it is back, resume with "
-                        "--resume_from_checkpoint latest (the run continues exactly from its last complete "
-                        "checkpoint)."
-                    ) from error
+                        redact_urls(
+                            f"Reading {url} failed for good (rank {self.rank}, epoch {epoch}, DataLoader worker "
+                            f"{worker_id}) after {attempts} attempts (--stream_retries), with "
+                            f"{type(error).__name__}: {error}. The server or the network is down: once it is back, "
+                            "resume with --resume_from_checkpoint latest (the run continues exactly from its last "
+                            "complete checkpoint)."
+                        )
+                    ) from safe_cause(error)
                 raise RuntimeError(
-                    f"Reading the data stream failed (rank {self.rank}, epoch {epoch}, DataLoader worker {worker_id}) "
-                    f"with {type(error).__name__}: {error}. A shard is probably truncated or corrupt (the error above "
-                    "may name it; for local shards `veca_hf.data.find_broken_shards` finds cut-short ones): remove or "
-                    "repair it, then resume with --resume_from_checkpoint latest."
-                ) from error
+                    redact_urls(
+                        f"Reading the data stream failed (rank {self.rank}, epoch {epoch}, DataLoader worker "
+                        f"{worker_id}) with {type(error).__name__}: {error}. A shard is probably truncated or corrupt "
+                        "(the error above may name it; for local shards `veca_hf.data.find_broken_shards` finds "
+                        "cut-short ones): remove or repair it, then resume with --resume_from_checkpoint latest."
+                    )
+                ) from safe_cause(error)
             next_skip = index + 1 if stream > 0 else index // num_workers + 1
-            # Where the example came from (its file when known), for auditing the data order of a run.
+            # Where the example came from (its file when known, a URL without its credentials), for auditing the data
+            # order of a run.
             path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
-            source = path or f"rank{self.rank}/stream{stream}/{index}"
+            source = redact_urls(path) if path else f"rank{self.rank}/stream{stream}/{index}"
             image, reason = decode_image(value, min_size=self.min_image_size)
             if image is None:
                 yield {"pixel_values": None, "skipped": reason, "source": source, "worker": worker_id}
