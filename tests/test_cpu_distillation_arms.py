@@ -91,6 +91,9 @@ def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, 
     assert len(again["runs"]) == 4  # the report covers every finished run
     seed0, seed1 = (next(r for r in again["runs"] if r["label"] == f"4x384-paper-recipe-seed{s}") for s in (0, 1))
     assert seed1["settings"]["distill_seed"] == 1 and "--seed 1" in seed1["commands"]["veca"]
+    # committed results name this machine's paths by what they are
+    assert "--output_dir OUTPUT_DIR/runs/4x384-paper-recipe/seed1/veca" in seed1["commands"]["veca"]
+    assert str(tmp_path) not in json.dumps(seed1["commands"]) + json.dumps(seed1["settings"])
     assert seed0["validation"] != seed1["validation"]  # another initialisation and data order
     assert seed0["settings"]["photo_crops"] == seed1["settings"]["photo_crops"]  # the same pool
     spread = again["seed_spread"]["4x384-paper-recipe"]
@@ -100,6 +103,23 @@ def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, 
     assert row["mean"] == pytest.approx(sum(per_seed) / 2) and row["min"] == min(per_seed)
     assert row["t_interval"][0] <= row["mean"] <= row["t_interval"][1]
     assert isinstance(spread["knn_within_1_point_in_every_seed"], bool)
+    # the recipe's students measured at other resolutions without retraining (their own JSON keeps the per-image
+    # values; the report the paired gaps)
+    transfer = seed1["transfer"]
+    assert [row["resolution"] for row in transfer["rows"]] == [32, 64]
+    for row in transfer["rows"]:
+        assert set(row["models"]) == {"veca C=8", "veca C=16", "dense", "teacher"}
+        assert all(m["seconds_per_image"] > 0 for m in row["models"].values())
+        gap = row["patches gap VECA C=16 - dense"]
+        assert gap["interval"][0] - 1e-9 <= gap["value"] <= gap["interval"][1] + 1e-9
+        veca, dense = row["models"]["veca C=16"], row["models"]["dense"]
+        assert gap["value"] == pytest.approx(veca["patches"] - dense["patches"], abs=1e-6)
+    fall = transfer["patch_cosine_fall"]
+    assert fall["veca minus dense"]["value"] == pytest.approx(fall["veca"] - fall["dense"], abs=1e-6)
+    assert set(transfer["knn"]) == {"32", "64"} and transfer["knn_samples"] == 24
+    assert "resolution_transfer" in json.loads((results_dir / "runs" / "4x384-paper-recipe-seed1.json").read_text())
+    assert "Resolution transfer of **4x384-paper-recipe-seed1**" in (results_dir / "study.md").read_text()
+    assert all(run.get("transfer") is None for run in again["runs"] if run["name"] != "4x384-paper-recipe")
     assert "Over the seeds of **4x384-paper-recipe**" in (results_dir / "study.md").read_text()
 
 
