@@ -16,6 +16,7 @@ See docs/usage.md, "Embedding a dataset".
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +168,7 @@ def main(argv=None):
     loader = DataLoader(batches, batch_size=None, num_workers=args.dataloader_num_workers)
     writer = PartWriter(output_dir, args.patch_features, model.config.hidden_size)
     progress = tqdm(desc=f"process {accelerator.process_index}", unit="img", position=accelerator.process_index)
+    start = time.perf_counter()
     for batch in loader:
         features = None
         if batch["pixel_values"] is not None:
@@ -175,12 +177,15 @@ def main(argv=None):
         progress.update(len(batch["ids"]) + len(batch["skipped"]))
     progress.close()
     accelerator.wait_for_everyone()
+    seconds = time.perf_counter() - start
+    images = accelerator.reduce(torch.tensor(writer.images, device=accelerator.device), reduction="sum").item()
     if accelerator.is_main_process:
         metadata = summarize(output_dir, settings, processor.to_dict(), batches.num_sources)
         logger.info(
             f"Embedded {metadata['num_images']} images ({metadata['num_skipped']} skipped, listed in "
             f"{output_dir / METADATA_FILE}) into {metadata['num_files']} files: "
-            f"datasets.load_dataset('parquet', data_files='{output_dir}/part-*.parquet')."
+            f"datasets.load_dataset('parquet', data_files='{output_dir}/part-*.parquet'). This run: {images} images "
+            f"in {seconds:.1f} s ({images / seconds:.2f} images/s over {accelerator.num_processes} process(es))."
         )
     accelerator.end_training()
 

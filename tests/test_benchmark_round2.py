@@ -309,3 +309,19 @@ def test_gpu_check_dry_run(tmp_path):
     assert {r["model"] for r in result["scaling"]} == {"DINOv3", "VECA C=16"}
     assert result["precision"] and result["all_ok"]
     assert "| stage | status |" in completed.stdout
+
+
+def test_dataset_embedding_times_the_script_the_model_and_the_data(tmp_path):
+    run_script("dataset_embedding.py", "--tiny", "--resolutions", "64", "--dtypes", "fp32", "--processes", "1",
+               "--num_images", "4", "--batch_size", "2", "--workers", "0", "--budgets", "8,16", "--threads", "1",
+               "--output_dir", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    cells = {cell["model"]: cell for cell in result["cells"]}
+    assert set(cells) == {"VECA C=8", "VECA C=16", "DINOv3"}
+    for cell in cells.values():
+        run = cell["end_to_end"]
+        assert run["images"] == cell["data_only"]["images"] == 4  # every image, end to end and on the data side
+        assert run["images_per_s"] == pytest.approx(run["images"] / run["seconds"])
+        assert cell["share_not_model"] == pytest.approx(1 - run["images_per_s"] / cell["model_only"]["images_per_s"])
+    assert result["args"]["output_dir"] == "OUTPUT_DIR" and str(tmp_path) not in result["command"]
+    assert "| fp32 | 64 | VECA C=16 | 1 |" in (tmp_path / "results.md").read_text()

@@ -260,7 +260,7 @@ def test_resolution_overrides_keep_the_processors_resize_ratio():
     assert resolution_overrides(squashing, 448) == {"size": {"height": 448, "width": 448}, "do_center_crop": False}
 
 
-def test_part_files_carry_their_row_counts(model_dir, image_folder, tmp_path):
+def test_part_files_carry_their_row_counts_and_load_for_a_nearest_neighbour_search(model_dir, image_folder, tmp_path):
     root, _ = image_folder
     load_script().main(["--model_name_or_path", str(model_dir), "--dataset_name", str(root), "--output_dir",
                         str(tmp_path / "out"), "--rows_per_file", "10", "--dataloader_num_workers", "0"])  # fmt: skip
@@ -268,3 +268,10 @@ def test_part_files_carry_their_row_counts(model_dir, image_folder, tmp_path):
     assert [info["rows"] for info in infos] == [10, 10, 3]
     assert sum(len(info["skipped"]) for info in infos) == 2
     assert os.listdir(tmp_path / "out" / ".progress") == ["source-00000.json"]
+    # docs/usage.md's search: each image's nearest neighbour is itself
+    from sklearn.neighbors import NearestNeighbors
+
+    table = datasets.load_dataset("parquet", data_files=str(tmp_path / "out" / "part-*.parquet"), split="train")
+    embeddings = np.asarray(table["embedding"], dtype=np.float32)  # (21, 64)
+    _, neighbours = NearestNeighbors(n_neighbors=2, metric="cosine").fit(embeddings).kneighbors(embeddings)
+    assert embeddings.shape == (21, 64) and (neighbours[:, 0] == np.arange(21)).all()
