@@ -42,8 +42,8 @@ from veca_hf.distillation import (
     StudentWithLoss,
     compute_teacher_targets,
     dense_student_config,
-    get_parameter_groups,
 )
+from veca_hf.optimization import get_parameter_groups
 
 
 DENSE = "dense"

@@ -117,7 +117,8 @@ def build_point(spec: dict[str, Any]):
     import scaling
 
     from veca_hf import VecaModel
-    from veca_hf.distillation import DistillationLoss, StudentWithLoss, dense_student_config, get_parameter_groups
+    from veca_hf.distillation import DistillationLoss, StudentWithLoss, dense_student_config
+    from veca_hf.optimization import get_parameter_groups
 
     args = scaling.parse_args(
         ["--size", spec["size"], "--budgets", str(spec["budget"]),

@@ -60,9 +60,9 @@ Modes:
 - `train`: one training step of the student alone (`StudentWithLoss` with `DistillationLoss` against fixed random
   targets, backward, AdamW unless `--no_optimizer_step`), VECA at each budget vs the dense student of
   `veca_hf.distillation.dense_student_config` (reported under the name DINOv3). FLOPs: forward + backward,
-  analytic `3 F - patch embedding` (`veca_hf.flops.veca_training_flops`), counted likewise. Issue 15's targets
-  (`train_targets` in the JSON, MET / NOT MET in the output): VECA/dense step time at most the training FLOP ratio
-  + 0.03 at 512 and 768 px, and the step at the smallest budget no slower than at the largest (paired ratios).
+  analytic `3 F - patch embedding` (`veca_hf.flops.veca_training_flops`), counted likewise. The training targets
+  (`train_targets` in the JSON, MET / NOT MET in the output): VECA/dense step time at most the training FLOP ratio +
+  0.03 at 512 and 768 px, and the step at the smallest budget no slower than at the largest (paired ratios).
 
 dtype `bf16_autocast`: fp32 weights under `torch.autocast(device, torch.bfloat16)` (model, block and train modes).
 On CPU the machine record says whether the CPU has fast bf16 (`machine.bf16`: flags, torch's probes, and a measured
@@ -112,7 +112,6 @@ from veca_hf.distillation import (
     DistillationLoss,
     StudentWithLoss,
     dense_student_config,
-    get_parameter_groups,
 )
 from veca_hf.flops import (
     attention_block_flops,
@@ -131,6 +130,7 @@ from veca_hf.modeling_veca import (
     VecaRopePositionEmbedding,
     get_patch_coordinates,
 )
+from veca_hf.optimization import get_parameter_groups
 
 
 DINOV3 = "DINOv3"
@@ -156,7 +156,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_autocast": torch.
 AUTOCAST_DTYPES = {"fp32": None, "bf16": None, "bf16_autocast": torch.bfloat16}
 GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_autocast": torch.bfloat16}
 MODE_ORDER = ["model", "block", "train"]
-# Training targets of issue 15: at these resolutions VECA's step time over the dense student's is at most their
+# Training targets: at these resolutions VECA's step time over the dense student's is at most their
 # training FLOP ratio plus this margin (paired ratios of one run).
 TRAIN_TARGET_RESOLUTIONS = (512, 768)
 TRAIN_TARGET_MARGIN = 0.03
@@ -1002,7 +1002,7 @@ def _median(p):
 
 
 def summarize(points: list[dict], args) -> list[dict]:
-    """The issue's targets per mode and batch size, for the largest budget (C = 64 by default).
+    """The speed targets per mode and batch size, for the largest budget (C = 64 by default).
 
     - at the largest resolution and at 512 px (or the smallest, if 512 was not run or is the largest): latency
       ratio VECA/DINOv3 vs FLOP ratio;
@@ -1060,10 +1060,10 @@ def summarize(points: list[dict], args) -> list[dict]:
 
 
 def train_targets(points: list[dict], args) -> list[dict]:
-    """Issue 15's training targets, from the paired rounds of one run, per batch size and resolution:
+    """The training targets, from the paired rounds of one run, per batch size and resolution:
 
     - per budget: VECA's step time over the dense student's (paired) is at most their training FLOP ratio + 0.03
-      (the issue asks for it at 512 and 768 px: `issue_resolution`);
+      (targets at 512 and 768 px: `target_resolution`);
     - the step at the smallest budget (C = 8) takes at most as long as at the largest (C = 64): paired ratio <= 1.
     """
     out = []
@@ -1073,7 +1073,7 @@ def train_targets(points: list[dict], args) -> list[dict]:
             dense = _find(points, "train", batch, resolution, DINOV3)
             if dense is None:
                 continue
-            issue = resolution in TRAIN_TARGET_RESOLUTIONS
+            at_target = resolution in TRAIN_TARGET_RESOLUTIONS
             for budget in args.budgets:
                 veca = _find(points, "train", batch, resolution, VECA, budget)
                 paired, flop_ratio = veca.get("paired_latency_ratio_vs_dinov3"), veca["flop_ratio_vs_dinov3"]
@@ -1083,7 +1083,7 @@ def train_targets(points: list[dict], args) -> list[dict]:
                     rounds = _rounds_within(veca["latency_ms"]["samples"], dense["latency_ms"]["samples"], limit)
                 out.append({
                     "target": "step time VECA / dense <= training FLOP ratio + 0.03",
-                    "batch_size": batch, "resolution": resolution, "budget": budget, "issue_resolution": issue,
+                    "batch_size": batch, "resolution": resolution, "budget": budget, "target_resolution": at_target,
                     "paired_ratio": paired, "ratio_of_medians": veca.get("latency_ratio_vs_dinov3"),
                     "flop_ratio": flop_ratio, "limit": limit, "met": None if paired is None else paired <= limit,
                     "rounds_within_limit": rounds,
@@ -1099,7 +1099,7 @@ def train_targets(points: list[dict], args) -> list[dict]:
                     rounds = _rounds_within(a["latency_ms"]["samples"], b["latency_ms"]["samples"], 1.0)
                 out.append({
                     "target": f"step time C={small} <= C={large}",
-                    "batch_size": batch, "resolution": resolution, "budget": [small, large], "issue_resolution": True,
+                    "batch_size": batch, "resolution": resolution, "budget": [small, large], "target_resolution": True,
                     "paired_ratio": paired, "ratio_of_medians": _safe_ratio(_median(a), _median(b)),
                     "flop_ratio": a["flops_analytic"] / b["flops_analytic"], "limit": 1.0,
                     "met": None if paired is None else paired <= 1.0, "rounds_within_limit": rounds,
@@ -1115,7 +1115,7 @@ def train_target_lines(targets: list[dict]) -> list[str]:
     lines = []
     for t in targets:
         verdict = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
-        where = "" if t["issue_resolution"] else " (not an issue resolution)"
+        where = "" if t["target_resolution"] else " (not a target resolution)"
         budget = t["budget"] if isinstance(t["budget"], list) else f"C={t['budget']}"
         lines.append(
             f"  - train, batch {t['batch_size']}, {t['resolution']} px, {budget}: {t['target']}: paired "
@@ -1225,7 +1225,7 @@ def markdown(result: dict) -> str:
             out.append("")
     out += ["## Summary", ""] + summary_lines(result["summary"]) + [""]
     if result.get("train_targets"):
-        out += ["## Training targets (issue 15)", ""] + train_target_lines(result["train_targets"]) + [""]
+        out += ["## Training targets", ""] + train_target_lines(result["train_targets"]) + [""]
     if result["notes"]:
         out += ["## Notes", ""] + [f"- {note}" for note in result["notes"]] + [""]
     return "\n".join(out)
@@ -1402,7 +1402,7 @@ def main(argv: list[str] | None = None) -> dict:
     for line in summary_lines(summary):
         log(line)
     if targets:
-        log("Training targets (issue 15)")
+        log("Training targets")
         for line in train_target_lines(targets):
             log(line)
     log(f"wrote {output_dir}")

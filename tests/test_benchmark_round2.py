@@ -1,4 +1,4 @@
-"""Smoke tests of issue 15's benchmarks: training mode of `benchmarks/scaling.py`, `memory_scaling.py`,
+"""Smoke tests of the benchmarks: training mode of `benchmarks/scaling.py`, `memory_scaling.py`,
 `precision_check.py`, `distill_step.py` and `gpu_check.sh`. FLOP counts, JSON structure and the arithmetic of the
 reported ratios and fits are asserted; wall-clock times never are."""
 
@@ -81,7 +81,7 @@ def test_train_mode_counts_training_flops(train_run):
         assert len(p["latency_ms"]["samples"]) == REPEATS and p["images_per_s"] > 0
         if p["model"] == "DINOv3":  # the dense student: one CLS token, no registers
             assert p["num_tokens"] == p["num_patches"] + 1
-    assert "Training targets (issue 15)" in stdout
+    assert "Training targets" in stdout
     assert result["machine"]["bf16"]["mm_size"] == 64 and "fast_bf16" in result["machine"]["bf16"]
 
 
@@ -108,7 +108,7 @@ def test_train_mode_paired_ratios_are_medians_of_per_round_ratios(train_run):
         within = sum(a / b <= t["limit"] for a, b in zip(numerators, denominators, strict=True))
         assert t["rounds_within_limit"] == f"{within}/{REPEATS}"
         assert t["met"] == (t["paired_ratio"] <= t["limit"])
-        assert t["issue_resolution"] == (t["resolution"] in (512, 768)) or isinstance(t["budget"], list)
+        assert t["target_resolution"] == (t["resolution"] in (512, 768)) or isinstance(t["budget"], list)
 
 
 @pytest.mark.parametrize("budget", [None, 8, 16])

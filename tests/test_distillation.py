@@ -22,13 +22,13 @@ from veca_hf.distillation import (
     compute_teacher_targets,
     default_budgets,
     dense_student_config,
-    get_parameter_groups,
     paper_budget_weights,
     teacher_autocast_dtype,
     teacher_image_size,
     training_budgets,
     validation_losses,
 )
+from veca_hf.optimization import get_parameter_groups
 
 
 def test_loss_matches_a_hand_computation():

@@ -2,6 +2,7 @@
 modules and `pick_budget`. Tiny models and generated images; the script runs once, in a subprocess."""
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -21,7 +22,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Tr
 from veca_hf import VecaForImageClassification, VecaImageProcessor, VecaImageProcessorPil, VecaModel
 from veca_hf.distillation import BudgetSampler
 from veca_hf.metrics import available_metrics, load_metric
-from veca_hf.training import BudgetChoice, VecaTrainer, evaluate_budgets, pick_budget
+from veca_hf.training import BudgetChoice, VecaTrainer, evaluate_budgets, pick_budget, time_budgets
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,6 +321,15 @@ def test_pick_budget_returns_the_largest_budget_under_a_generous_target():
     assert all(latency > 0 for latency in choice.latencies_ms.values())
     assert choice.image_size == (32, 32) and "**chosen**" in choice.table()
     assert model.training  # mode restored
+
+
+def test_time_budgets_measures_every_budget_and_pick_budget_says_what_it_chose(caplog):
+    model = VecaModel(tiny_config())
+    latencies = time_budgets(model, 32, budgets=[16, 8], warmup=0, repeats=1)
+    assert list(latencies) == [8, 16] and all(ms > 0 for ms in latencies.values())
+    with caplog.at_level(logging.INFO, logger="veca_hf.training"):
+        pick_budget(model, 32, latency_target_ms=1e6, warmup=0, repeats=1)
+    assert "C=16 is the largest budget within 1e+06 ms per batch of 1 at 32x32 (C=8: " in caplog.text
 
 
 def test_pick_budget_raises_for_an_impossible_target():

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -379,19 +378,5 @@ def test_folders_saved_before_the_renaming_still_load(tmp_path, processor, old_t
     default = AutoImageProcessor.from_pretrained(tmp_path)  # torchvision installed: the torchvision backend
     assert type(default) is VecaImageProcessor
     assert (pixel_values(default, image) - pixel_values(processor, image)).abs().max() <= PIL_VS_TORCHVISION_ATOL
-
-
-def test_deprecated_fast_names_warn_and_point_to_the_new_name():
-    pytest.importorskip("torchvision")
-    with pytest.warns(FutureWarning, match="use `VecaImageProcessor`"):
-        assert veca_hf.VecaImageProcessorFast is VecaImageProcessor
-    sys.modules.pop("veca_hf.image_processing_veca_fast", None)  # so that importing it runs (and warns) again
-    with pytest.warns(FutureWarning, match="import `VecaImageProcessor`"):
-        from veca_hf.image_processing_veca_fast import VecaImageProcessorFast
-    assert VecaImageProcessorFast is VecaImageProcessor
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the current names do not warn
-        assert veca_hf.VecaImageProcessor is VecaImageProcessor
-        assert veca_hf.VecaImageProcessorPil is VecaImageProcessorPil
     with pytest.raises(AttributeError, match="VecaImageProcessorSlow"):
         veca_hf.VecaImageProcessorSlow  # noqa: B018

@@ -1,4 +1,4 @@
-"""Inference robustness (issue 16): any input to the image processors and the model either works or raises a
+"""Inference robustness: any input to the image processors and the model either works or raises a
 `ValueError` that names the problem; threads sharing one model get the outputs of one thread; memory stays flat.
 
 Error convention, decided here: a bad *value* raises `ValueError`, including a value of the wrong Python type that

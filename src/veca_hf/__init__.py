@@ -8,8 +8,6 @@ transformers 5: `VecaImageProcessor` (torchvision backend, chosen by `AutoImageP
 installed) and `VecaImageProcessorPil` (PIL, the base install).
 """
 
-import warnings
-
 from transformers import (
     AutoBackbone,
     AutoConfig,
@@ -62,17 +60,6 @@ def _register_auto_classes() -> None:
 _register_auto_classes()
 
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    if name == "VecaImageProcessorFast":  # the name before transformers 5's backend naming
-        warnings.warn(
-            "`VecaImageProcessorFast` is deprecated: use `VecaImageProcessor` (the same torchvision processor).",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return VecaImageProcessor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

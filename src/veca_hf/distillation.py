@@ -22,7 +22,6 @@ from transformers.utils import cached_file, logging
 
 from .configuration_veca import VecaConfig
 from .modeling_veca import gathered_for_init
-from .optimization import get_parameter_groups  # noqa: F401 (public here too, as before)
 
 
 logger = logging.get_logger(__name__)
@@ -682,7 +681,6 @@ __all__ = [
     "compute_teacher_targets",
     "dense_student_config",
     "default_budgets",
-    "get_parameter_groups",
     "init_patch_embeddings_from_teacher",
     "paper_budget_weights",
     "patch_embedding_conv",

@@ -51,7 +51,7 @@ def check_image(image):
     """Returns `image` (a bfloat16 / float8 tensor as float32), or raises a `ValueError` naming what is wrong with it.
 
     NOTE: both backends would otherwise fail deep inside with a ZeroDivisionError (a side of 0 px), a TypeError
-    (NumPy has no bfloat16) or silently pass NaN through (torchvision); issue 16.
+    (NumPy has no bfloat16) or silently pass NaN through (torchvision).
     """
     image_type = get_image_type(image)
     if image_type == ImageType.PIL:
@@ -161,7 +161,7 @@ class VecaImageProcessingDefaults:
         """The backend's flat list of images, each passed through `check_image`; an empty list raises.
 
         NOTE: a 2-D array or tensor (`np.asarray` of an `"L"` image) is a grayscale image: it gets a leading channel
-        axis here, since transformers refuses a lone one and the PIL backend one inside a list; issue 16.
+        axis here, since transformers refuses a lone one and the PIL backend one inside a list.
         """
         images = super()._prepare_images_structure(with_channel_axis(images), expected_ndims=expected_ndims)
         if len(images) == 0:

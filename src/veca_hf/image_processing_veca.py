@@ -69,7 +69,7 @@ class VecaImageProcessor(VecaImageProcessingDefaults, TorchvisionBackend):
         """Same as the backend's, but a 4-channel integer image other than uint8 raises a `ValueError`.
 
         NOTE: the backend blends RGBA on white in float and casts back, which torchvision refuses for int16/32/64
-        (a RuntimeError from `to_dtype`); issue 16.
+        (a RuntimeError from `to_dtype`).
         """
         channels_first = image.ndim == 3 and input_data_format in (None, "channels_first")
         rgba = image.ndim == 3 and image.shape[0 if channels_first else -1] == 4

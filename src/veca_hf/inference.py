@@ -91,7 +91,7 @@ def cpu_inference_buffers(model: nn.Module) -> Iterator[nn.Module]:
             A VECA model (or anything holding one); layers that are not a plain `nn.Linear` (PEFT adapters,
             quantised layers) are left alone.
     """
-    buffers = threading.local()  # one dict of buffers per thread (issue 16: 8 threads got wrong outputs)
+    buffers = threading.local()  # one dict of buffers per thread: shared buffers would mix threads' outputs
     patched = []
     for qualified_name, module in model.named_modules():
         name = qualified_name.rsplit(".", 1)[-1]

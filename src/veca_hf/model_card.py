@@ -29,7 +29,7 @@ from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .flops import veca_model_flops
 from .modeling_veca import VecaForImageClassification, VecaModel
 from .modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
-from .training import pick_budget
+from .training import time_budgets
 
 
 logger = logging.get_logger(__name__)
@@ -205,11 +205,8 @@ def _device_description(device: torch.device) -> str:
 
 
 def _measure_latencies(model, resolutions: Sequence[int], repeats: int) -> tuple[dict[int, dict[int, float]], str]:
-    """`{resolution: {budget: median ms}}` at batch 1 via `pick_budget`, and how and where it was measured."""
-    latencies = {}
-    for resolution in resolutions:
-        choice = pick_budget(model, resolution, latency_target_ms=float("inf"), warmup=1, repeats=repeats)
-        latencies[resolution] = choice.latencies_ms
+    """`{resolution: {budget: median ms}}` at batch 1, and how and where it was measured."""
+    latencies = {resolution: time_budgets(model, resolution, warmup=1, repeats=repeats) for resolution in resolutions}
     parameter = next(model.parameters())
     return latencies, f"{str(parameter.dtype).removeprefix('torch.')} on {_device_description(parameter.device)}"
 

@@ -32,8 +32,9 @@ from transformers import PreTrainedModel, Trainer
 from transformers.utils import logging
 
 from .configuration_veca import VecaConfig
-from .distillation import DEFAULT_BUDGET_WEIGHTS, DEFAULT_BUDGETS, BudgetSampler, get_parameter_groups
+from .distillation import DEFAULT_BUDGET_WEIGHTS, DEFAULT_BUDGETS, BudgetSampler
 from .modeling_veca import VecaModel
+from .optimization import get_parameter_groups
 
 
 logger = logging.get_logger(__name__)
@@ -140,7 +141,7 @@ class VecaTrainer(Trainer):
 
     Three things differ from `Trainer`:
 
-    - Weight decay follows `veca_hf.distillation.get_parameter_groups`: no decay on cores, core coordinates,
+    - Weight decay follows `veca_hf.optimization.get_parameter_groups`: no decay on cores, core coordinates,
       coordinate step scales, norms and biases. (`Trainer`'s default decays everything that is not a norm or a bias,
       which pulls the cores, and the cores' positions, towards zero.) Only `get_decay_parameter_names` is
       overridden, so `--optim`, `--optim_args` and the rest of `Trainer.create_optimizer` work as usual.
@@ -417,6 +418,54 @@ def _forward_at(model: nn.Module, pixel_values: torch.Tensor, budget: int):
         return model(pixel_values, **inputs)
 
 
+def time_budgets(
+    model: nn.Module,
+    image_size: tuple[int, int] | int,
+    batch_size: int = 1,
+    device: str | torch.device | None = None,
+    budgets: Sequence[int] | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> dict[int, float]:
+    """
+    The median latency in milliseconds of one forward pass at each budget, `{budget: ms}`, measured round-robin (a
+    change in machine load hits every budget alike). The arguments are those of [`pick_budget`].
+    """
+    if batch_size < 1 or warmup < 0 or repeats < 1:
+        raise ValueError(f"Need batch_size >= 1, warmup >= 0 and repeats >= 1; got {batch_size}, {warmup}, {repeats}.")
+    config = veca_config(model)
+    budgets = sorted({config.check_budget(int(budget)) for budget in (config.budgets if budgets is None else budgets)})
+    if not budgets:
+        raise ValueError("`budgets` is empty.")
+    height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+    parameter = next(model.parameters())
+    if device is None:
+        device = parameter.device
+    else:
+        device = torch.device(device)
+        model.to(device)
+    pixel_values = torch.randn(batch_size, config.num_channels, height, width, device=device, dtype=parameter.dtype)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for budget in budgets:
+                for _ in range(warmup):
+                    _forward_at(model, pixel_values, budget)
+            timings = {budget: [] for budget in budgets}
+            for _ in range(repeats):
+                for budget in budgets:
+                    _synchronize(device)
+                    start = time.perf_counter()
+                    _forward_at(model, pixel_values, budget)
+                    _synchronize(device)
+                    timings[budget].append((time.perf_counter() - start) * 1e3)
+    finally:
+        model.train(was_training)
+    return {budget: statistics.median(values) for budget, values in timings.items()}
+
+
 def pick_budget(
     model: nn.Module,
     image_size: tuple[int, int] | int,
@@ -471,40 +520,9 @@ def pick_budget(
     """
     if not latency_target_ms > 0:
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms!r}.")
-    if batch_size < 1 or warmup < 0 or repeats < 1:
-        raise ValueError(f"Need batch_size >= 1, warmup >= 0 and repeats >= 1; got {batch_size}, {warmup}, {repeats}.")
-    config = veca_config(model)
-    budgets = sorted({config.check_budget(int(budget)) for budget in (config.budgets if budgets is None else budgets)})
-    if not budgets:
-        raise ValueError("`budgets` is empty.")
+    latencies_ms = time_budgets(model, image_size, batch_size, device, budgets, warmup, repeats)
     height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    parameter = next(model.parameters())
-    if device is None:
-        device = parameter.device
-    else:
-        device = torch.device(device)
-        model.to(device)
-    pixel_values = torch.randn(batch_size, config.num_channels, height, width, device=device, dtype=parameter.dtype)
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for budget in budgets:
-                for _ in range(warmup):
-                    _forward_at(model, pixel_values, budget)
-            timings = {budget: [] for budget in budgets}
-            for _ in range(repeats):  # round-robin: a change in machine load hits every budget alike
-                for budget in budgets:
-                    _synchronize(device)
-                    start = time.perf_counter()
-                    _forward_at(model, pixel_values, budget)
-                    _synchronize(device)
-                    timings[budget].append((time.perf_counter() - start) * 1e3)
-        latencies_ms = {budget: statistics.median(values) for budget, values in timings.items()}
-    finally:
-        model.train(was_training)
-
+    device = next(model.parameters()).device
     fitting = [budget for budget, latency in latencies_ms.items() if latency <= latency_target_ms]
     if not fitting:
         fastest = min(latencies_ms, key=latencies_ms.get)
@@ -521,7 +539,11 @@ def pick_budget(
         batch_size=batch_size,
         device=str(device),
     )
-    logger.info(f"pick_budget: {choice.num_core_tokens} cores meet {latency_target_ms:g} ms; measured {latencies_ms}")
+    measured = ", ".join(f"C={budget}: {ms:.1f} ms" for budget, ms in latencies_ms.items())
+    logger.info(
+        f"pick_budget: C={choice.num_core_tokens} is the largest budget within {latency_target_ms:g} ms per batch "
+        f"of {batch_size} at {height}x{width} ({measured})."
+    )
     return choice
 
 
@@ -536,6 +558,7 @@ __all__ = [
     "find_veca_config",
     "parse_number_list",
     "pick_budget",
+    "time_budgets",
     "setup_logging",
     "split_veca_inputs",
     "training_budget_description",

@@ -11,7 +11,7 @@ buffer at the checkpoint, and everything after it), each once.
 
 What it costs: the footer of every shard (its row-group sizes, a few KiB) and two passes over the twin, of the epoch's
 positions in this worker's share. Webdataset tars cannot be read from the middle: a resumed epoch of tars reads the
-consumed part of its shards again (undecoded), as before.
+consumed part of its shards again (undecoded).
 """
 
 from __future__ import annotations
