@@ -29,6 +29,7 @@ from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser
 
 from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
 from veca_hf.arguments import parse_args_with_file, redact_secrets
+from veca_hf.budgets import BudgetSampler, SampledBudgetArguments, training_budgets
 from veca_hf.checkpointing import (
     checkpoint_steps,
     load_checkpoint,
@@ -50,7 +51,6 @@ from veca_hf.data import (
 )
 from veca_hf.distillation import (
     PROJECTION_FILE,
-    BudgetSampler,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
@@ -62,7 +62,6 @@ from veca_hf.distillation import (
     init_patch_embeddings_from_teacher,
     teacher_autocast_dtype,
     teacher_normalization,
-    training_budgets,
     transform_normalization,
     validation_losses,
 )
@@ -177,7 +176,7 @@ class DataArguments:
 
 
 @dataclass
-class DistillationArguments:
+class DistillationArguments(SampledBudgetArguments):
     output_dir: str = field(
         default="outputs/veca-distill", metadata={"help": "Checkpoints, logs and the final model."}
     )
@@ -204,20 +203,6 @@ class DistillationArguments:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    budgets: str | None = field(
-        default=None,
-        metadata={
-            "help": "Budgets sampled per step, e.g. '8,16,32'. Default: every multiple of the student's "
-            "core_chunk_size up to num_core_tokens (8,16,...,64 for the presets)."
-        },
-    )
-    budget_weights: str | None = field(
-        default=None,
-        metadata={
-            "help": "Sampling weights of --budgets. Default: ceil(4 i / K) for the i-th smallest of K budgets "
-            "(1,1,2,2,3,3,4,4 for 8 budgets, as in the paper)."
-        },
-    )
     dense_weight: float = field(default=1.0, metadata={"help": "lambda_dense."})
     mse_weight: float = field(default=1.0, metadata={"help": "beta: weight of the dense MSE term."})
     checkpointing_steps: int = field(default=500, metadata={"help": "Save a resumable checkpoint every N steps."})

@@ -37,19 +37,17 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Hf
 
 import veca_hf  # registers VECA with the Auto classes
 from veca_hf.arguments import parse_args_with_file, redact_urls
+from veca_hf.budgets import (
+    BudgetArguments,
+    budget_sampler_from_args,
+    eval_budgets_from_args,
+    training_budget_description,
+)
 from veca_hf.data import build_transform
 from veca_hf.hub import take_hub_token
 from veca_hf.metrics import load_metric
 from veca_hf.model_card import write_finetuned_model_card
-from veca_hf.training import (
-    BudgetArguments,
-    VecaTrainer,
-    budget_sampler_from_args,
-    eval_budgets_from_args,
-    evaluate_and_save_budgets,
-    setup_logging,
-    training_budget_description,
-)
+from veca_hf.training import VecaTrainer, evaluate_and_save_budgets, setup_logging
 
 
 logger = logging.getLogger(__name__)

@@ -42,6 +42,13 @@ from transformers import HfArgumentParser, TrainingArguments
 
 import veca_hf  # registers VECA with the Auto classes
 from veca_hf.arguments import parse_args_with_file, redact_urls
+from veca_hf.budgets import (
+    BudgetArguments,
+    budget_sampler_from_args,
+    eval_budgets_from_args,
+    parse_number_list,
+    training_budget_description,
+)
 from veca_hf.dense import (
     SEGMENTATION_HEADS,
     DenseCollator,
@@ -57,16 +64,7 @@ from veca_hf.dense import (
 )
 from veca_hf.hub import take_hub_token
 from veca_hf.model_card import write_finetuned_model_card
-from veca_hf.training import (
-    BudgetArguments,
-    VecaTrainer,
-    budget_sampler_from_args,
-    eval_budgets_from_args,
-    evaluate_and_save_budgets,
-    parse_number_list,
-    setup_logging,
-    training_budget_description,
-)
+from veca_hf.training import VecaTrainer, evaluate_and_save_budgets, setup_logging
 
 
 logger = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from veca_hf import VecaForDepthEstimation, VecaForSemanticSegmentation, VecaImageProcessorPil, VecaModel
+from veca_hf.budgets import BudgetSampler, pick_budget, veca_call_defaults
 from veca_hf.dense import (
     DenseCollator,
     DenseTransform,
@@ -43,9 +44,8 @@ from veca_hf.dense import (
     prepare_splits,
     resolve_id2label,
 )
-from veca_hf.distillation import BudgetSampler
 from veca_hf.metrics import compute_metric
-from veca_hf.training import VecaTrainer, evaluate_budgets, pick_budget, veca_call_defaults
+from veca_hf.training import VecaTrainer, evaluate_budgets
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,11 +8,16 @@ from conftest import tiny_config, tiny_dinov3_config
 from transformers import Dinov2Config, Dinov2Model, DINOv3ViTModel
 
 from veca_hf import VecaModel
-from veca_hf.distillation import (
+from veca_hf.budgets import (
     DEFAULT_BUDGET_WEIGHTS,
     DEFAULT_BUDGETS,
-    PAPER_STAGE2_RESOLUTION_SCHEDULE,
     BudgetSampler,
+    default_budgets,
+    paper_budget_weights,
+    training_budgets,
+)
+from veca_hf.distillation import (
+    PAPER_STAGE2_RESOLUTION_SCHEDULE,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
@@ -20,12 +25,9 @@ from veca_hf.distillation import (
     before_after_table,
     build_student_config,
     compute_teacher_targets,
-    default_budgets,
     dense_student_config,
-    paper_budget_weights,
     teacher_autocast_dtype,
     teacher_image_size,
-    training_budgets,
     validation_losses,
 )
 from veca_hf.optimization import get_parameter_groups

@@ -20,9 +20,9 @@ from torch import nn
 from transformers import AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainingArguments
 
 from veca_hf import VecaForImageClassification, VecaImageProcessor, VecaImageProcessorPil, VecaModel
-from veca_hf.distillation import BudgetSampler
+from veca_hf.budgets import BudgetChoice, BudgetSampler, pick_budget, time_budgets
 from veca_hf.metrics import available_metrics, load_metric
-from veca_hf.training import BudgetChoice, VecaTrainer, evaluate_budgets, pick_budget, time_budgets
+from veca_hf.training import VecaTrainer, evaluate_budgets
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -327,7 +327,7 @@ def test_time_budgets_measures_every_budget_and_pick_budget_says_what_it_chose(c
     model = VecaModel(tiny_config())
     latencies = time_budgets(model, 32, budgets=[16, 8], warmup=0, repeats=1)
     assert list(latencies) == [8, 16] and all(ms > 0 for ms in latencies.values())
-    with caplog.at_level(logging.INFO, logger="veca_hf.training"):
+    with caplog.at_level(logging.INFO, logger="veca_hf.budgets"):
         pick_budget(model, 32, latency_target_ms=1e6, warmup=0, repeats=1)
     assert "C=16 is the largest budget within 1e+06 ms per batch of 1 at 32x32 (C=8: " in caplog.text
 

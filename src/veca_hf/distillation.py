@@ -1,5 +1,6 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Distillation pieces: budget and resolution sampling, teacher targets, the loss, optimiser groups.
+"""Distillation pieces: resolution sampling, teacher targets, the loss, the dense control student (the budgets are
+in `veca_hf.budgets`).
 
 They follow the elastic training and the distillation recipe of the paper (arXiv 2605.12491; docs/training.md
 lists the recipe as flags). Everything here is pure and testable; `examples/distill.py` is the glue that runs it
@@ -10,7 +11,6 @@ Shape legend: B batch, N patches, C active cores, D student width, Dt teacher wi
 
 import difflib
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,148 +20,15 @@ from torch.nn import functional as F
 from transformers import DINOv3ViTConfig
 from transformers.utils import cached_file, logging
 
+from .budgets import WeightedChoice
 from .configuration_veca import VecaConfig
 from .modeling_veca import gathered_for_init
 
 
 logger = logging.get_logger(__name__)
 
-# The paper's elastic training: budgets 8..64 drawn with weights 1,1,2,2,3,3,4,4 (E[C] = 44).
-DEFAULT_BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64)
-DEFAULT_BUDGET_WEIGHTS = (1, 1, 2, 2, 3, 3, 4, 4)
 # The paper's training recipe, stage 2: one resolution per step, the mix changing at step 7k.
 PAPER_STAGE2_RESOLUTION_SCHEDULE = "0:256,384,512@0.35,0.35,0.30;7000:256,384,512,768@0.15,0.25,0.30,0.30"
-
-
-def _step_generator(seed: int, step: int, stream: int) -> torch.Generator:
-    """A generator that depends only on (seed, step, stream): every rank and every resume draws the same value."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step * 7_919 + stream) % (2**63 - 1))
-
-
-class WeightedChoice:
-    """Draws one of `values` with probability proportional to `weights`, as a function of the step.
-
-    NOTE: drawing from (seed, step) instead of a running RNG needs no broadcast between ranks, no state in
-    checkpoints, and gives the same value on every gradient-accumulation micro-batch of a step.
-
-    Args:
-        values (`Sequence[int]`): the choices.
-        weights (`Sequence[float]`, *optional*): non-negative weights, one per value (uniform by default).
-        seed (`int`): the run's seed.
-        stream (`int`): separates independent draws made at the same step (budget vs resolution).
-    """
-
-    def __init__(self, values: Sequence[int], weights: Sequence[float] | None = None, seed: int = 0, stream: int = 0):
-        values = [int(v) for v in values]
-        weights = [1.0] * len(values) if weights is None else [float(w) for w in weights]
-        if not values:
-            raise ValueError("WeightedChoice needs at least one value.")
-        if len(weights) != len(values):
-            raise ValueError(f"Got {len(values)} values {values} but {len(weights)} weights {weights}.")
-        if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"Weights must be finite, non-negative and not all zero, got {weights}.")
-        self.values = values
-        self.probabilities = torch.tensor(weights, dtype=torch.float64) / sum(weights)
-        self.seed = seed
-        self.stream = stream
-
-    def __call__(self, step: int) -> int:
-        index = torch.multinomial(self.probabilities, 1, generator=_step_generator(self.seed, step, self.stream))
-        return self.values[int(index)]
-
-
-class BudgetSampler(WeightedChoice):
-    """The elastic budget of each optimiser step (the paper's elastic training); `sampler(step) -> C`."""
-
-    def __init__(
-        self,
-        budgets: Sequence[int] = DEFAULT_BUDGETS,
-        weights: Sequence[float] | None = DEFAULT_BUDGET_WEIGHTS,
-        seed: int = 0,
-    ):
-        super().__init__(budgets, weights, seed=seed, stream=1)
-
-
-def paper_budget_weights(count: int) -> list[int]:
-    """Sampling weights growing with the budget as in the paper: `ceil(4 * i / count)` for the i-th smallest budget,
-    i = 1..count.
-
-    For the paper's 8 budgets this is `(1, 1, 2, 2, 3, 3, 4, 4)`; for 2 budgets `(2, 4)`, for 4 `(1, 2, 3, 4)`.
-    """
-    if count < 1:
-        raise ValueError(f"Need at least one budget, got count={count}.")
-    return [math.ceil(4 * i / count) for i in range(1, count + 1)]
-
-
-def _parse_ints(text: str | Sequence, name: str, kind=int) -> list:
-    """`"8,16"` or `[8, 16]` -> `[8, 16]`, or a ValueError naming the flag."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    try:
-        return [kind(item) for item in items]
-    except (TypeError, ValueError):
-        raise ValueError(f"--{name} {text!r} is not a comma-separated list of numbers, e.g. '8,16,24'.") from None
-
-
-def default_budgets(config: VecaConfig) -> tuple[list[int], list[int]]:
-    """
-    The elastic training budgets of a student and their sampling weights, when none are given.
-
-    Every multiple of `config.core_chunk_size` up to `config.num_core_tokens` (`config.budgets`), weighted by
-    [`paper_budget_weights`] so that larger budgets are drawn more often, as in the paper (arXiv 2605.12491): a bank of
-    64 cores in chunks of 8 gives `8, 16, ..., 64` with weights `1, 1, 2, 2, 3, 3, 4, 4`; 16 cores give `8, 16` with
-    weights `2, 4`.
-
-    Args:
-        config (`VecaConfig`): the student's configuration.
-
-    Returns:
-        `tuple`: `(budgets, weights)`, two lists of ints of the same length.
-    """
-    budgets = config.budgets
-    return budgets, paper_budget_weights(len(budgets))
-
-
-def training_budgets(
-    config: VecaConfig, budgets: str | Sequence[int] | None = None, budget_weights: str | Sequence[float] | None = None
-) -> tuple[list[int], list[float]]:
-    """
-    The budgets to sample and their weights, from `--budgets` / `--budget_weights` (either may be None), checked.
-
-    - neither given: [`default_budgets`] of `config`;
-    - only `budgets`: weighted by [`paper_budget_weights`] in increasing budget order;
-    - only `budget_weights`: for `config.budgets`, so it must have one weight per valid budget.
-
-    Args:
-        config (`VecaConfig`): the student's configuration; every budget must be valid for it.
-        budgets (`str` or `Sequence[int]`, *optional*): e.g. `"8,16,32"`.
-        budget_weights (`str` or `Sequence[float]`, *optional*): e.g. `"1,2,4"`.
-
-    Returns:
-        `tuple`: `(budgets, weights)`.
-
-    Raises:
-        `ValueError`: for an invalid budget, or a number of weights that differs from the number of budgets.
-    """
-    if budgets is None:
-        values = config.budgets
-    else:
-        values = _parse_ints(budgets, "budgets")
-        for budget in values:
-            config.check_budget(budget, name="--budgets entry")
-    if budget_weights is None:
-        rank = {budget: i for i, budget in enumerate(sorted(set(values)))}
-        ranked = paper_budget_weights(len(rank))
-        return values, [float(ranked[rank[budget]]) for budget in values]
-    weights = _parse_ints(budget_weights, "budget_weights", kind=float)
-    if len(weights) != len(values):
-        source = (
-            "--budgets" if budgets is not None else f"the student's budgets (num_core_tokens={config.num_core_tokens})"
-        )
-        raise ValueError(
-            f"--budget_weights {budget_weights!r} has {len(weights)} weights but {source} {values} has {len(values)} "
-            "budgets: give one weight per budget, or leave --budget_weights out for the default weights."
-        )
-    return values, weights
 
 
 class ResolutionSchedule:
@@ -664,30 +531,23 @@ def before_after_table(before: dict | None, after: dict, step: int, resolution: 
 
 
 __all__ = [
-    "DEFAULT_BUDGETS",
-    "DEFAULT_BUDGET_WEIGHTS",
     "PAPER_STAGE2_RESOLUTION_SCHEDULE",
     "PATCH_EMBEDDING_INIT_MODES",
     "PROJECTION_FILE",
-    "BudgetSampler",
     "DistillationLoss",
     "ResolutionSchedule",
     "StudentWithLoss",
     "TeacherTargets",
-    "WeightedChoice",
     "before_after_table",
     "build_student_config",
     "check_teacher_student",
     "compute_teacher_targets",
     "dense_student_config",
-    "default_budgets",
     "init_patch_embeddings_from_teacher",
-    "paper_budget_weights",
     "patch_embedding_conv",
     "teacher_autocast_dtype",
     "teacher_image_size",
     "teacher_normalization",
-    "training_budgets",
     "transform_normalization",
     "validation_losses",
 ]

@@ -16,21 +16,24 @@ import platform
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
 from huggingface_hub import HfApi, ModelCard, ModelCardData
-from transformers import AutoConfig, PreTrainedModel, Trainer
+from transformers import AutoConfig, PreTrainedModel
 from transformers.utils import logging
 
 from .arguments import redact_urls
+from .budgets import time_budgets
 from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .flops import veca_model_flops
 from .modeling_veca import VecaForImageClassification, VecaModel
 from .modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
-from .training import time_budgets
 
+
+if TYPE_CHECKING:  # NOTE: only for the annotation: the converter writes cards without loading Trainer
+    from transformers import Trainer
 
 logger = logging.get_logger(__name__)
 
@@ -301,7 +304,7 @@ def write_model_card(
             32 patches per side: 256 and 512 px at patch 16, 224 and 448 px at patch 14.
         measure_latency (`bool`, *optional*, defaults to `True`):
             Time every budget at each resolution (batch 1, median of `latency_repeats` passes after one warm-up,
-            with `veca_hf.training.pick_budget`). `False` leaves the columns out and says so in the card.
+            with `veca_hf.budgets.pick_budget`). `False` leaves the columns out and says so in the card.
         latency_repeats (`int`, *optional*, defaults to 3):
             Timed passes per budget and resolution.
 
@@ -435,7 +438,7 @@ def write_model_card(
     imports = ""
     if not has_veca_code:
         context = f"with torch.no_grad(), veca_call_defaults(model, num_core_tokens={budget}):"
-        imports = "from veca_hf.training import veca_call_defaults\n"
+        imports = "from veca_hf.budgets import veca_call_defaults\n"
     if has_veca_code:
         loading = (
             "Without `veca_hf` installed, pass `trust_remote_code=True` to `from_pretrained`: the folder carries its "
@@ -467,7 +470,7 @@ def write_model_card(
         "## Picking a budget\n\n"
         "Smaller budgets are cheaper and a little less accurate. `pick_budget` times every budget on the current "
         "device and returns the largest one that meets a latency target:\n\n"
-        f"```python\nfrom veca_hf.training import pick_budget{', veca_config' if not has_veca_code else ''}\n\n"
+        f"```python\nfrom veca_hf.budgets import pick_budget{', veca_config' if not has_veca_code else ''}\n\n"
         "choice = pick_budget(model, 512, latency_target_ms=50)  # image side (or (height, width)), target per batch\n"
         "print(choice.table())\n"
         f"{budget_setting}\n```"
@@ -480,7 +483,7 @@ def write_model_card(
 
 
 def write_finetuned_model_card(
-    trainer: Trainer,
+    trainer: "Trainer",
     *,
     base_model: str,
     datasets: str | Sequence[str] | None,

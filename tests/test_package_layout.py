@@ -1,0 +1,46 @@
+"""docs/architecture.md's package layout stays true: every module is named there, the files marked `[travels]` are
+exactly those a saved folder carries, and the low modules load neither `Trainer` nor the distillation code."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import tiny_config
+
+from veca_hf import VecaImageProcessor, VecaModel
+
+
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "src" / "veca_hf"
+
+
+def layout_block() -> str:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    return re.search(r"## Package layout\n\n```\n(.*?)```", text, re.S)[1]
+
+
+def test_every_module_and_subpackage_is_named_in_the_layout():
+    lines = layout_block().splitlines()[1:]  # after "src/veca_hf/"; each line: names, then what they hold
+    named = {name for line in lines for name in re.split(r"\s{2,}", line.strip())[0].split(", ")}
+    modules = {path.name for path in PACKAGE.glob("*.py")}
+    packages = {f"{path.name}/" for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    assert modules | packages <= named, f"missing from docs/architecture.md: {sorted((modules | packages) - named)}"
+    assert named <= modules | packages, f"named but absent: {sorted(named - modules - packages)}"
+
+
+def test_the_files_marked_travels_are_those_a_saved_folder_carries(tmp_path):
+    travels = set(re.findall(r"(\w+\.py) .*\[travels\]", layout_block()))
+    VecaModel(tiny_config()).save_pretrained(tmp_path)
+    VecaImageProcessor().save_pretrained(tmp_path)
+    assert {path.name for path in tmp_path.glob("*.py")} == travels
+
+
+def test_the_converter_and_the_budgets_load_no_trainer_and_no_distillation():
+    check = (
+        "import sys, veca_hf.convert_veca_original, veca_hf.budgets, veca_hf.model_card; "
+        "print(sorted(m for m in sys.modules if m in ('veca_hf.training', 'veca_hf.distillation', "
+        "'transformers.trainer')))"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
