@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -306,17 +307,50 @@ def budget_label(budget: int | None) -> str:
     return "dense" if budget is None else str(budget)
 
 
-def main():
-    model_args, data_args, args = parse_args()
-    if data_args.dataset_name is None:
-        raise ValueError("--dataset_name is required (a Hub dataset id, an image folder, or parquet / tar shards).")
-    output_dir = Path(args.output_dir)
-    # Before any work, as Trainer does: a wrong flag or a missing login fails at once.
-    repo_id = resolve_hub_model_id(output_dir, args.push_to_hub, args.hub_model_id, args.hub_token)
-    accelerator = build_accelerator(args, output_dir)
-    check_optimizer_backend(args.optimizer, uses_deepspeed=accelerator.state.deepspeed_plugin is not None)
-    if repo_id is not None and accelerator.is_main_process:
-        repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
+@dataclass
+class Progress:
+    """What a run has done, saved in every checkpoint and restored on resume."""
+
+    step: int = 0
+    position: dict = field(default_factory=lambda: {"epoch": 0, "batches": 0})  # in this process's data stream
+    images_seen: int = 0
+    skipped: int = 0
+    validation_history: list = field(default_factory=list)  # {"step": s, "losses": {budget: terms}}
+
+
+@dataclass
+class Teacher:
+    """The frozen teacher and how it runs."""
+
+    model: torch.nn.Module
+    path: str
+    dtype: torch.dtype | None  # autocast dtype, None: fp32
+    micro_batch_size: int | None
+
+    def targets(self, pixel_values: torch.Tensor, student_patch_size: int):
+        return compute_teacher_targets(self.model, pixel_values, student_patch_size, self.micro_batch_size, self.dtype)
+
+
+@dataclass
+class Budgets:
+    """The budgets a run trains and validates at; a dense control student has one, `None`."""
+
+    values: list
+    weights: list | None
+    sampler: Callable[[int], int | None]
+
+
+@dataclass
+class HeldOut:
+    """The held-out images and their teacher targets, computed once (the teacher is frozen)."""
+
+    batches: list  # (pixel_values, teacher cls, teacher patches) on the device
+    resolution: int
+    num_images: int  # over all processes
+    skipped: int
+
+
+def set_up_logging(accelerator: Accelerator) -> None:
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO
     )
@@ -330,9 +364,10 @@ def main():
         f"Mixed precision: {accelerator.mixed_precision}; {accelerator.num_processes} process(es) on "
         f"{accelerator.device}."
     )
-    set_seed(args.seed)
 
-    # Teacher: frozen, eval mode, outside the optimiser.
+
+def load_teacher(accelerator: Accelerator, model_args: ModelArguments, args) -> Teacher:
+    """The frozen teacher in eval mode, outside the optimiser."""
     teacher_path = resolve_teacher_on_all_ranks(
         accelerator,
         model_args.teacher_name_or_path,
@@ -347,14 +382,18 @@ def main():
     else:
         teacher = AutoModel.from_pretrained(teacher_path)
     teacher.requires_grad_(False).eval().to(accelerator.device)
-    teacher_dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
+    dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
+    return Teacher(teacher, str(teacher_path), dtype, model_args.teacher_micro_batch_size)
 
+
+def build_model(model_args: ModelArguments, args, teacher: torch.nn.Module):
+    """The student with its loss in one module, the VecaConfig of its size, and the budgets it trains at."""
     student, student_config = build_student(model_args)
     if model_args.student_type == "veca":
-        budgets, budget_weights = training_budgets(student_config, args.budgets, args.budget_weights)
-        budget_sampler = BudgetSampler(budgets, budget_weights, seed=args.seed)
+        values, weights = training_budgets(student_config, args.budgets, args.budget_weights)
+        budgets = Budgets(values, weights, BudgetSampler(values, weights, seed=args.seed))
     else:  # dense: no budget; one "budget" None, validated and reported as "dense"
-        budgets, budget_sampler = [None], lambda step: None
+        budgets = Budgets([None], None, lambda step: None)
     # Starting from saved weights, `auto` keeps their patch embedding; `yes` replaces it.
     patch_init = model_args.init_patch_embeddings_from_teacher
     if model_args.student_name_or_path and patch_init == "auto":
@@ -367,21 +406,13 @@ def main():
         student_config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight
     )
     model = StudentWithLoss(student, criterion).train()
+    return model, student_config, budgets
 
-    resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
-    validation_resolution = data_args.validation_resolution or resolutions.resolutions[0]
-    train_transform = build_transform(resolutions.max_resolution, train=True)
-    # Before any data is read: patch grids, channels and normalisation must agree (a ValueError says which).
-    check_teacher_student(
-        teacher.config,
-        student_config,
-        [*resolutions.resolutions, validation_resolution],
-        teacher_normalization(str(teacher_path)),
-        transform_normalization(train_transform),
-    )
 
-    # Data: a deterministic stream per process; the largest resolution is loaded, each step resizes down.
-    # Remote shards: retries (in every process and DataLoader worker, which fork later) and fsspec options.
+def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_transform, validation_resolution):
+    """This process's training stream, the DataLoader settings, and the held-out dataset (not yet read).
+
+    Remote shards: retries (in every process and DataLoader worker, which fork later) and fsspec options."""
     retries = StreamRetries(data_args.stream_retries, data_args.stream_retry_wait)
     retries.configure()
     source_kwargs = dict(broken_shards=data_args.broken_shards, retries=retries, timeout=data_args.stream_timeout,
@@ -424,8 +455,6 @@ def main():
         num_workers=data_args.dataloader_num_workers,
         worker_init_fn=ignore_sigterm,
     )
-
-    # Held-out images and their teacher targets, computed once (the teacher is frozen).
     validation_stream = ImageStream(
         validation_dataset,
         image_column,
@@ -434,24 +463,26 @@ def main():
         shuffle_buffer_size=1,
         **stream_kwargs,
     )
-    validation_batches, validation_skipped = [], 0
-    for batch in torch.utils.data.DataLoader(
-        validation_stream, batch_size=args.per_device_eval_batch_size, collate_fn=collate_images
-    ):
-        validation_skipped += batch["num_skipped"]
+    return train_stream, loader_kwargs, validation_stream
+
+
+def held_out_targets(
+    accelerator, validation_stream, teacher: Teacher, patch_size: int, batch_size: int, resolution: int
+) -> HeldOut:
+    """Read the held-out images once and compute their teacher targets."""
+    batches, skipped = [], 0
+    for batch in torch.utils.data.DataLoader(validation_stream, batch_size=batch_size, collate_fn=collate_images):
+        skipped += batch["num_skipped"]
         if batch["pixel_values"] is None:
             continue
         pixel_values = batch["pixel_values"].to(accelerator.device)
-        targets = compute_teacher_targets(
-            teacher, pixel_values, student_config.patch_size, model_args.teacher_micro_batch_size, teacher_dtype
-        )
-        validation_batches.append((pixel_values, targets.cls, targets.patches))
-    num_validation_images = int(
-        accelerator.reduce(
-            torch.tensor(sum(len(b[0]) for b in validation_batches), device=accelerator.device), reduction="sum"
-        )
-    )
+        targets = teacher.targets(pixel_values, patch_size)
+        batches.append((pixel_values, targets.cls, targets.patches))
+    count = torch.tensor(sum(len(b[0]) for b in batches), device=accelerator.device)
+    return HeldOut(batches, resolution, int(accelerator.reduce(count, reduction="sum")), skipped)
 
+
+def build_optimization(model: torch.nn.Module, args):
     optimizer = build_optimizer(
         model,
         args.optimizer,
@@ -466,7 +497,9 @@ def main():
             f"NorMuon for {len(hidden)} hidden matrices ({hidden[0]}, ...); AdamW for the other "
             f"{sum(1 for p in model.parameters() if p.requires_grad) - len(hidden)} tensors."
         )
-    # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process).
+    # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process). Its
+    # state (plain numbers) goes into training_state.json, not into a pickle Accelerate would load with a full
+    # unpickle (`register_for_checkpointing`).
     scheduler = cosine_schedule_with_warmup(
         optimizer,
         args.learning_rate,
@@ -475,83 +508,250 @@ def main():
         args.max_train_steps,
         warmup_from_min=args.warmup_from_min_learning_rate,
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # NOTE: the scheduler's state (plain numbers) goes into training_state.json, not into a pickle Accelerate would
-    # load with a full unpickle (`register_for_checkpointing`).
+    return optimizer, scheduler
 
-    checkpoints_dir = output_dir / "checkpoints"
-    global_step, position, images_seen, skipped = 0, {"epoch": 0, "batches": 0}, 0, 0
-    validation_history = []  # {"step": s, "losses": {budget: terms}} at every validation
-    worker_keys = ("worker_batches", "last_worker")
-    guard = StepGuard(args.max_consecutive_nonfinite_steps)
+
+def resume(accelerator, args, checkpoints_dir: Path, scheduler, guard: StepGuard) -> Progress:
+    """The progress of `--resume_from_checkpoint` (weights, optimiser and RNG restored in place), or a new run's."""
+    progress = Progress()
     resume_path = resolve_resume_path_on_all_ranks(accelerator, args.resume_from_checkpoint, checkpoints_dir)
-    if resume_path is not None:
-        training_state, process_state = load_checkpoint(accelerator, resume_path)
-        guard.load_state_dict(training_state)
-        validation_history = training_state.get("validation_history", [])
-        global_step, images_seen, skipped = (
-            training_state["step"],
-            process_state["images_seen"],
-            process_state["skipped_images"],
+    if resume_path is None:
+        return progress
+    training_state, process_state = load_checkpoint(accelerator, resume_path)
+    guard.load_state_dict(training_state)
+    progress.validation_history = training_state.get("validation_history", [])
+    progress.step = training_state["step"]
+    progress.images_seen, progress.skipped = process_state["images_seen"], process_state["skipped_images"]
+    if "scheduler" in training_state:
+        scheduler.load_state_dict(training_state["scheduler"])
+    else:  # written before the schedule was stored: it depends on the step only
+        for _ in range(progress.step):
+            scheduler.step()
+    progress.position = {
+        "epoch": process_state["epoch"],
+        "batches": process_state["batches"],
+        **{key: process_state[key] for key in ("worker_batches", "last_worker") if key in process_state},
+    }
+    logger.info(
+        f"Resumed from {resume_path} at step {progress.step} (epoch {progress.position['epoch']}, "
+        f"batch {progress.position['batches']} of it)."
+    )
+    return progress
+
+
+def validate(model, held_out: HeldOut, budgets, accelerator, progress: Progress) -> dict:
+    """The held-out losses at every budget, recorded in the progress and the trackers."""
+    results = validation_losses(model, held_out.batches, budgets, accelerator)
+    progress.validation_history.append(
+        {"step": progress.step, "losses": {budget_label(b): r for b, r in results.items()}}
+    )
+    if progress.step:
+        accelerator.log(
+            {f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in results.items()}, step=progress.step
         )
-        if "scheduler" in training_state:
-            scheduler.load_state_dict(training_state["scheduler"])
-        else:  # written before the schedule was stored: it depends on the step only
-            for _ in range(global_step):
-                scheduler.step()
-        position = {
-            "epoch": process_state["epoch"],
-            "batches": process_state["batches"],
-            **{key: process_state[key] for key in worker_keys if key in process_state},
-        }
-        logger.info(
-            f"Resumed from {resume_path} at step {global_step} (epoch {position['epoch']}, "
-            f"batch {position['batches']} of it)."
-        )
-    if validation_batches and global_step == 0 and not validation_history:  # the student at initialisation
-        validation_history.append(
-            {
-                "step": 0,
-                "losses": {
-                    budget_label(b): r
-                    for b, r in validation_losses(model, validation_batches, budgets, accelerator).items()
-                },
-            }
-        )
-    share = " in this process's share" if accelerator.num_processes > 1 else ""
+    return results
+
+
+def empty_stream_message(data_args: DataArguments, num_processes: int) -> str:
+    share = " in this process's share" if num_processes > 1 else ""
     if data_args.validation_split:
-        empty_message = f"The training split {data_args.train_split!r} has no images{share}."
-    else:
-        empty_message = (
-            f"No training images left: the held-out validation split (the first --validation_size "
-            f"{data_args.validation_size} images) took every image of the dataset{share}. Lower --validation_size, "
-            "or pass --validation_split to hold out a separate split."
+        return f"The training split {data_args.train_split!r} has no images{share}."
+    return (
+        f"No training images left: the held-out validation split (the first --validation_size "
+        f"{data_args.validation_size} images) took every image of the dataset{share}. Lower --validation_size, "
+        "or pass --validation_split to hold out a separate split."
+    )
+
+
+def train(
+    accelerator, args, model, optimizer, scheduler, guard: StepGuard, teacher: Teacher, patch_size: int,
+    budgets: Budgets, resolutions: ResolutionSchedule, batches, held_out: HeldOut, progress: Progress,
+    checkpoint_now: Callable[[], None], sources_file,
+):  # fmt: skip
+    """The optimiser steps from `progress.step` to `--max_train_steps`; returns the last validation's results."""
+    bar = tqdm(
+        total=args.max_train_steps, initial=progress.step, disable=not accelerator.is_local_main_process,
+        desc="distill",
+    )  # fmt: skip
+    validation_results = None
+    guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
+    while progress.step < args.max_train_steps:
+        budget, resolution = budgets.sampler(progress.step), resolutions(progress.step)
+        step_start, teacher_time, step_images, logs, loss_finite = time.perf_counter(), 0.0, 0, {}, True
+        for _ in range(args.gradient_accumulation_steps):
+            batch = next(batches)
+            while batch["pixel_values"] is None:  # every image of the batch was unreadable
+                progress.skipped += batch["num_skipped"]
+                batch = next(batches)
+            progress.skipped += batch["num_skipped"]
+            if sources_file is not None:
+                sources_file.writelines(f"{progress.step}\t{source}\n" for source in batch["sources"])
+            pixel_values = resize_batch(batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution)
+            teacher_start = time.perf_counter()
+            targets = teacher.targets(pixel_values, patch_size)
+            teacher_time += time.perf_counter() - teacher_start
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    terms = model(pixel_values, budget, targets.cls, targets.patches)
+                loss_finite &= bool(torch.isfinite(terms["loss"].detach()))
+                accelerator.backward(terms["loss"])
+                if accelerator.sync_gradients:  # clip, skip a non-finite step on every rank, agree on stopping
+                    outcome = guard.step(
+                        accelerator, model, optimizer, loss_finite, args.max_grad_norm, progress.step + 1
+                    )
+            step_images += pixel_values.shape[0]
+            for key, value in terms.items():
+                logs[key] = logs.get(key, 0.0) + float(value.detach()) / args.gradient_accumulation_steps
+        scheduler.step()
+        progress.step += 1
+        progress.images_seen += step_images
+        step_time = time.perf_counter() - step_start
+        bar.update(1)
+
+        if budget is not None:
+            logs["budget"] = budget
+        logs.update(
+            resolution=resolution,
+            lr=scheduler.get_last_lr()[0],
+            skipped_images=progress.skipped,
+            nonfinite_steps=guard.nonfinite_steps,
+            images_per_second=step_images * accelerator.num_processes / step_time,
+            teacher_seconds=teacher_time,
+            student_seconds=step_time - teacher_time,
         )
-    batches = infinite_batches(train_stream, loader_kwargs, args.seed, position, empty_message)
+        bar.set_postfix(loss=f"{logs['loss']:.4f}", C=budget, res=resolution)
+        accelerator.log(logs, step=progress.step)
+        if progress.step % args.logging_steps == 0 or progress.step == 1:
+            logger.info(
+                f"step {progress.step}: "
+                + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
+            )
+        # NOTE: validation first, so that a checkpoint of this step carries its validation.
+        if held_out.batches and (progress.step % args.validation_steps == 0 or progress.step == args.max_train_steps):
+            validation_results = validate(model, held_out, budgets.values, accelerator, progress)
+        saved = bool(args.checkpointing_steps) and progress.step % args.checkpointing_steps == 0
+        if saved or outcome.stop:
+            checkpoint_now()
+        if outcome.stop:
+            logger.warning(
+                f"Stopped by SIGTERM after step {progress.step}; checkpoint-{progress.step} is written. Resume "
+                f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}."
+            )
+            accelerator.end_training()
+            sys.exit(PREEMPTED_EXIT_CODE)
+    bar.close()
+    return validation_results
+
+
+def report_stop(error: Exception, checkpoints_dir: Path, progress: Progress) -> None:
+    steps = checkpoint_steps(checkpoints_dir)
+    newest = f"{checkpoints_dir / f'checkpoint-{steps[-1]}'}" if steps else "none yet"
+    cause = ""
+    if "DataLoader worker" in str(error):  # PyTorch's SIGCHLD handler: a worker died (kill -9, the OOM killer)
+        cause = " A DataLoader worker was killed from outside (SIGKILL, e.g. the kernel's OOM killer)."
+    logger.error(
+        f"The run stopped during step {progress.step + 1}.{cause} Newest checkpoint: {newest}. Fix the cause, then "
+        "rerun with --resume_from_checkpoint latest to continue exactly from there."
+    )
+
+
+def save_student(accelerator, model, output_dir: Path, held_out: HeldOut) -> None:
+    """save_pretrained + image processor, loadable with AutoModel.from_pretrained; the loss's projection beside it."""
+    ds_plugin = accelerator.state.deepspeed_plugin
+    if accelerator.num_processes > 1 and not (ds_plugin is not None and ds_plugin.zero_stage == 3):
+        if replicas_agree(accelerator, model):
+            logger.info(f"The weights agree on all {accelerator.num_processes} processes.")
+        else:
+            logger.error("The weights differ between processes: data parallelism broke; rank 0's copy is saved.")
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if not accelerator.is_main_process:
+        return
+    student_state = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
+    accelerator.unwrap_model(model).student.save_pretrained(output_dir, state_dict=student_state)
+    projection = {
+        k[len("criterion.projection.") :]: v for k, v in state_dict.items() if k.startswith("criterion.projection.")
+    }
+    if projection:  # widths differ: the trained map into the teacher's space, to compare features with it
+        save_file({k: v.contiguous() for k, v in projection.items()}, output_dir / PROJECTION_FILE)
+    # The settings the validation transform was derived from (`build_transform(validation_resolution, ...)`).
+    VecaImageProcessor.for_resolution(held_out.resolution).save_pretrained(output_dir)
+
+
+def main():
+    model_args, data_args, args = parse_args()
+    if data_args.dataset_name is None:
+        raise ValueError("--dataset_name is required (a Hub dataset id, an image folder, or parquet / tar shards).")
+    output_dir = Path(args.output_dir)
+    # Before any work, as Trainer does: a wrong flag or a missing login fails at once.
+    repo_id = resolve_hub_model_id(output_dir, args.push_to_hub, args.hub_model_id, args.hub_token)
+    accelerator = build_accelerator(args, output_dir)
+    check_optimizer_backend(args.optimizer, uses_deepspeed=accelerator.state.deepspeed_plugin is not None)
+    if repo_id is not None and accelerator.is_main_process:
+        repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
+    set_up_logging(accelerator)
+    set_seed(args.seed)
+
+    teacher = load_teacher(accelerator, model_args, args)
+    model, student_config, budgets = build_model(model_args, args, teacher.model)
+
+    resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
+    validation_resolution = data_args.validation_resolution or resolutions.resolutions[0]
+    train_transform = build_transform(resolutions.max_resolution, train=True)
+    # Before any data is read: patch grids, channels and normalisation must agree (a ValueError says which).
+    check_teacher_student(
+        teacher.model.config,
+        student_config,
+        [*resolutions.resolutions, validation_resolution],
+        teacher_normalization(teacher.path),
+        transform_normalization(train_transform),
+    )
+    # Data: a deterministic stream per process; the largest resolution is loaded, each step resizes down.
+    train_stream, loader_kwargs, validation_stream = build_data(
+        accelerator, data_args, args, train_transform, validation_resolution
+    )
+    held_out = held_out_targets(
+        accelerator, validation_stream, teacher, student_config.patch_size, args.per_device_eval_batch_size,
+        validation_resolution,
+    )  # fmt: skip
+
+    optimizer, scheduler = build_optimization(model, args)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    checkpoints_dir = output_dir / "checkpoints"
+    guard = StepGuard(args.max_consecutive_nonfinite_steps)
+    progress = resume(accelerator, args, checkpoints_dir, scheduler, guard)
+    if held_out.batches and progress.step == 0 and not progress.validation_history:  # the student at initialisation
+        validate(model, held_out, budgets.values, accelerator, progress)
+    empty_message = empty_stream_message(data_args, accelerator.num_processes)
+    batches = infinite_batches(train_stream, loader_kwargs, args.seed, progress.position, empty_message)
 
     # Credentials never reach a checkpoint or a tracker.
     run_arguments = redact_secrets({**asdict(model_args), **asdict(data_args), **asdict(args)})
     if args.report_to != "none":
         accelerator.init_trackers("veca_distill", config=run_arguments)
+    student = accelerator.unwrap_model(model).student
     logger.info(
         f"Student: {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M parameters, "
-        f"{accelerator.num_processes} process(es), budgets {budgets}, resolutions {resolutions.resolutions}."
+        f"{accelerator.num_processes} process(es), budgets {budgets.values}, resolutions {resolutions.resolutions}."
     )
 
     def checkpoint_now():
         save_checkpoint(
             accelerator,
             checkpoints_dir,
-            global_step,
+            progress.step,
             training_state={
-                "step": global_step,
+                "step": progress.step,
                 "num_processes": accelerator.num_processes,
                 "scheduler": scheduler.state_dict(),
                 **guard.state_dict(),
-                "validation_history": validation_history,
+                "validation_history": progress.validation_history,
                 "args": run_arguments,
             },
-            process_state={**position, "images_seen": images_seen, "skipped_images": skipped},
+            process_state={
+                **progress.position,
+                "images_seen": progress.images_seen,
+                "skipped_images": progress.skipped,
+            },
             total_limit=args.checkpoints_total_limit,
             check_finite=(model, optimizer),
         )
@@ -560,193 +760,96 @@ def main():
     if args.log_sample_sources:
         (output_dir / "sample_sources").mkdir(parents=True, exist_ok=True)
         sources_file = open(output_dir / "sample_sources" / f"rank{accelerator.process_index}.txt", "a", buffering=1)
-    progress = tqdm(
-        total=args.max_train_steps, initial=global_step, disable=not accelerator.is_local_main_process, desc="distill"
-    )
-    validation_results = None
-    guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
     try:
-        while global_step < args.max_train_steps:
-            budget, resolution = budget_sampler(global_step), resolutions(global_step)
-            step_start, teacher_time, step_images, logs, loss_finite = time.perf_counter(), 0.0, 0, {}, True
-            for _ in range(args.gradient_accumulation_steps):
-                batch = next(batches)
-                while batch["pixel_values"] is None:  # every image of the batch was unreadable
-                    skipped += batch["num_skipped"]
-                    batch = next(batches)
-                skipped += batch["num_skipped"]
-                if sources_file is not None:
-                    sources_file.writelines(f"{global_step}\t{source}\n" for source in batch["sources"])
-                pixel_values = resize_batch(
-                    batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution
-                )
-                teacher_start = time.perf_counter()
-                targets = compute_teacher_targets(
-                    teacher,
-                    pixel_values,
-                    student_config.patch_size,
-                    model_args.teacher_micro_batch_size,
-                    teacher_dtype,
-                )
-                teacher_time += time.perf_counter() - teacher_start
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():
-                        terms = model(pixel_values, budget, targets.cls, targets.patches)
-                    loss_finite &= bool(torch.isfinite(terms["loss"].detach()))
-                    accelerator.backward(terms["loss"])
-                    if accelerator.sync_gradients:  # clip, skip a non-finite step on every rank, agree on stopping
-                        outcome = guard.step(
-                            accelerator, model, optimizer, loss_finite, args.max_grad_norm, global_step + 1
-                        )
-                step_images += pixel_values.shape[0]
-                for key, value in terms.items():
-                    logs[key] = logs.get(key, 0.0) + float(value.detach()) / args.gradient_accumulation_steps
-            scheduler.step()
-            global_step += 1
-            images_seen += step_images
-            step_time = time.perf_counter() - step_start
-            progress.update(1)
-
-            if budget is not None:
-                logs["budget"] = budget
-            logs.update(
-                resolution=resolution,
-                lr=scheduler.get_last_lr()[0],
-                skipped_images=skipped,
-                nonfinite_steps=guard.nonfinite_steps,
-                images_per_second=step_images * accelerator.num_processes / step_time,
-                teacher_seconds=teacher_time,
-                student_seconds=step_time - teacher_time,
-            )
-            progress.set_postfix(loss=f"{logs['loss']:.4f}", C=budget, res=resolution)
-            accelerator.log(logs, step=global_step)
-            if global_step % args.logging_steps == 0 or global_step == 1:
-                logger.info(
-                    f"step {global_step}: "
-                    + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
-                )
-            # NOTE: validation first, so that a checkpoint of this step carries its validation.
-            if validation_batches and (
-                global_step % args.validation_steps == 0 or global_step == args.max_train_steps
-            ):
-                validation_results = validation_losses(model, validation_batches, budgets, accelerator)
-                validation_history.append(
-                    {"step": global_step, "losses": {budget_label(b): r for b, r in validation_results.items()}}
-                )
-                accelerator.log(
-                    {f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in validation_results.items()},
-                    step=global_step,
-                )
-            saved = bool(args.checkpointing_steps) and global_step % args.checkpointing_steps == 0
-            if saved or outcome.stop:
-                checkpoint_now()
-            if outcome.stop:
-                logger.warning(
-                    f"Stopped by SIGTERM after step {global_step}; checkpoint-{global_step} is written. Resume "
-                    f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}."
-                )
-                accelerator.end_training()
-                sys.exit(PREEMPTED_EXIT_CODE)
+        validation_results = train(
+            accelerator, args, model, optimizer, scheduler, guard, teacher, student_config.patch_size, budgets,
+            resolutions, batches, held_out, progress, checkpoint_now, sources_file,
+        )  # fmt: skip
     except Exception as error:
-        steps = checkpoint_steps(checkpoints_dir)
-        newest = f"{checkpoints_dir / f'checkpoint-{steps[-1]}'}" if steps else "none yet"
-        cause = ""
-        if "DataLoader worker" in str(error):  # PyTorch's SIGCHLD handler: a worker died (kill -9, the OOM killer)
-            cause = " A DataLoader worker was killed from outside (SIGKILL, e.g. the kernel's OOM killer)."
-        logger.error(
-            f"The run stopped during step {global_step + 1}.{cause} Newest checkpoint: {newest}. Fix the cause, then "
-            "rerun with --resume_from_checkpoint latest to continue exactly from there."
-        )
+        report_stop(error, checkpoints_dir, progress)
         raise
     finally:
         # NOTE: shuts the DataLoader workers down now, also when the loop raised: they ignore SIGTERM, so at exit
         # multiprocessing would terminate them with SIGTERM and wait for them forever.
         batches.close()
-    progress.close()
     if sources_file is not None:
         sources_file.close()
-    if validation_batches and validation_results is None:  # resumed from the last step: no step ran to validate
-        validation_results = validation_losses(model, validation_batches, budgets, accelerator)
+    if held_out.batches and validation_results is None:  # resumed from the last step: no step ran to validate
+        validation_results = validation_losses(model, held_out.batches, budgets.values, accelerator)
 
-    # Final student: save_pretrained + image processor, loadable with AutoModel.from_pretrained.
     accelerator.wait_for_everyone()
-    if accelerator.num_processes > 1 and not (ds_plugin is not None and ds_plugin.zero_stage == 3):
-        if replicas_agree(accelerator, model):
-            logger.info(f"The weights agree on all {accelerator.num_processes} processes.")
-        else:
-            logger.error("The weights differ between processes: data parallelism broke; rank 0's copy is saved.")
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    save_student(accelerator, model, output_dir, held_out)
     if accelerator.is_main_process:
-        student_state = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
-        accelerator.unwrap_model(model).student.save_pretrained(output_dir, state_dict=student_state)
-        projection = {
-            k[len("criterion.projection.") :]: v
-            for k, v in state_dict.items()
-            if k.startswith("criterion.projection.")
-        }
-        if projection:  # widths differ: the trained map into the teacher's space, to compare features with it
-            save_file({k: v.contiguous() for k, v in projection.items()}, output_dir / PROJECTION_FILE)
-        # The settings the validation transform was derived from (`build_transform(validation_resolution, ...)`).
-        VecaImageProcessor.for_resolution(validation_resolution).save_pretrained(output_dir)
-        summary = {
-            "step": global_step,
-            "images_seen_main_process": images_seen,
-            "skipped_images": skipped,
-            "nonfinite_steps": guard.nonfinite_steps,
-            "skipped_validation_images": validation_skipped,
-            "student_type": model_args.student_type,
-            "validation": {budget_label(b): r for b, r in (validation_results or {}).items()},
-            "validation_history": validation_history,
-        }
-        (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
-        if validation_results:
-            before = validation_history[0]["losses"] if validation_history[0]["step"] == 0 else None
-            print(
-                "\n"
-                + before_after_table(
-                    before, summary["validation"], global_step, validation_resolution, num_validation_images
-                )
-            )
-            print(
-                f"Next: probe it (python examples/linear_probe.py --model_name_or_path {output_dir} ...), look at "
-                f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
-                "or train longer and larger (docs/training.md)."
-            )
-        if model_args.student_type == "veca":
-            zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
-            write_model_card(
-                output_dir,
-                model=None if zero3 else accelerator.unwrap_model(model).student,  # ZeRO-3: time the saved copy
-                model_id=repo_id,
-                base_model=str(teacher_path),
-                datasets=data_args.dataset_name,
-                budget_metrics={
-                    b: {"loss": r["loss"], "global 1-cos": r["global_loss"], "dense 1-cos": r["dense_cosine_loss"]}
-                    for b, r in (validation_results or {}).items()
-                },
-                metrics_description=f"held-out distillation loss against the teacher at {validation_resolution} px "
-                "(lower is better): the total, and 1 - cosine of the global and the dense features",
-                description=f"Distilled from `{teacher_path}` with `examples/distill.py`.",
-                training_details={
-                    "optimiser steps": global_step,
-                    "learning rate": args.learning_rate,
-                    "batch size (all processes)": args.per_device_train_batch_size
-                    * accelerator.num_processes
-                    * args.gradient_accumulation_steps,
-                    "budgets (weights)": f"{budgets} ({budget_weights})",
-                    "resolutions": resolutions.resolutions,
-                    "seed": args.seed,
-                },
-                measure_latency=args.model_card_latency,
-            )
-        if repo_id is not None:
-            push_to_hub(output_dir, repo_id, token=args.hub_token, ignore_patterns=["veca_distill/*"])
-            print(f"Pushed {output_dir} to https://huggingface.co/{repo_id}")
-        print(
-            f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import "
-            "veca_hf`)."
-        )
+        write_summary_and_card(
+            accelerator, (model_args, data_args, args), model, output_dir, repo_id, teacher, progress, guard,
+            held_out, validation_results, budgets, resolutions,
+        )  # fmt: skip
     accelerator.end_training()
+
+
+def write_summary_and_card(
+    accelerator, arguments, model, output_dir: Path, repo_id, teacher: Teacher, progress: Progress, guard: StepGuard,
+    held_out: HeldOut, validation_results, budgets: Budgets, resolutions: ResolutionSchedule,
+):  # fmt: skip
+    """distill_results.json, the before/after table, the model card, and the push to the Hub."""
+    model_args, data_args, args = arguments
+    summary = {
+        "step": progress.step,
+        "images_seen_main_process": progress.images_seen,
+        "skipped_images": progress.skipped,
+        "nonfinite_steps": guard.nonfinite_steps,
+        "skipped_validation_images": held_out.skipped,
+        "student_type": model_args.student_type,
+        "validation": {budget_label(b): r for b, r in (validation_results or {}).items()},
+        "validation_history": progress.validation_history,
+    }
+    (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
+    if validation_results:
+        history = progress.validation_history
+        before = history[0]["losses"] if history[0]["step"] == 0 else None
+        table = before_after_table(
+            before, summary["validation"], progress.step, held_out.resolution, held_out.num_images
+        )
+        print("\n" + table)
+        print(
+            f"Next: probe it (python examples/linear_probe.py --model_name_or_path {output_dir} ...), look at "
+            f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
+            "or train longer and larger (docs/training.md)."
+        )
+    if model_args.student_type == "veca":
+        ds_plugin = accelerator.state.deepspeed_plugin
+        zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
+        write_model_card(
+            output_dir,
+            model=None if zero3 else accelerator.unwrap_model(model).student,  # ZeRO-3: time the saved copy
+            model_id=repo_id,
+            base_model=teacher.path,
+            datasets=data_args.dataset_name,
+            budget_metrics={
+                b: {"loss": r["loss"], "global 1-cos": r["global_loss"], "dense 1-cos": r["dense_cosine_loss"]}
+                for b, r in (validation_results or {}).items()
+            },
+            metrics_description=f"held-out distillation loss against the teacher at {held_out.resolution} px "
+            "(lower is better): the total, and 1 - cosine of the global and the dense features",
+            description=f"Distilled from `{teacher.path}` with `examples/distill.py`.",
+            training_details={
+                "optimiser steps": progress.step,
+                "learning rate": args.learning_rate,
+                "batch size (all processes)": args.per_device_train_batch_size
+                * accelerator.num_processes
+                * args.gradient_accumulation_steps,
+                "budgets (weights)": f"{budgets.values} ({budgets.weights})",
+                "resolutions": resolutions.resolutions,
+                "seed": args.seed,
+            },
+            measure_latency=args.model_card_latency,
+        )
+    if repo_id is not None:
+        push_to_hub(output_dir, repo_id, token=args.hub_token, ignore_patterns=["veca_distill/*"])
+        print(f"Pushed {output_dir} to https://huggingface.co/{repo_id}")
+    print(
+        f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import veca_hf`)."
+    )
 
 
 if __name__ == "__main__":
