@@ -33,21 +33,15 @@ import numpy as np
 import torch
 import transformers
 from datasets import load_dataset
-from transformers import AutoImageProcessor, AutoModelForImageClassification, HfArgumentParser, TrainingArguments
+from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-import veca_hf  # registers VECA with the Auto classes
-from veca_hf.arguments import parse_args_with_file, redact_urls
+import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
 from veca_hf.budgets import (
-    BudgetArguments,
     budget_sampler_from_args,
-    eval_budgets_from_args,
-    training_budget_description,
 )
 from veca_hf.data import build_transform
-from veca_hf.hub import take_hub_token
 from veca_hf.metrics import load_metric
-from veca_hf.model_card import write_finetuned_model_card
-from veca_hf.training import VecaTrainer, evaluate_and_save_budgets, setup_logging
+from veca_hf.training import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
 
 
 logger = logging.getLogger(__name__)
@@ -97,19 +91,10 @@ def collate_fn(examples: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def main():
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
     # Flags, or a JSON / YAML file of them first (later flags override it).
-    model_args, data_args, budget_args, training_args = parse_args_with_file(parser)
-    # NOTE: Trainer pickles its arguments into training_args.bin (output folder, checkpoints, upload): not the token.
-    take_hub_token(training_args)
-    if training_args.device.type == "cpu":
-        veca_hf.tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
-    # NOTE: with `with_transform` the image column must reach the transform; Trainer would drop it otherwise.
-    training_args.remove_unused_columns = False
-
-    setup_logging(training_args, logger)
-    logger.info(f"Training/evaluation parameters {training_args}")
-    transformers.set_seed(training_args.seed)
+    model_args, data_args, budget_args, training_args = parse_finetuning_args(
+        (ModelArguments, DataTrainingArguments), logger
+    )
 
     # Data: a Hub / local dataset, or image folders (labels from the sub-folder names).
     if data_args.dataset_name is not None:
@@ -181,7 +166,6 @@ def main():
 
     # Budgets: per-step sampling or one fixed budget for training; a sweep for evaluation.
     budget_sampler = budget_sampler_from_args(budget_args, model, seed=training_args.seed)
-    eval_budgets = eval_budgets_from_args(budget_args, model)
 
     accuracy = load_metric("accuracy")
 
@@ -200,30 +184,14 @@ def main():
         budget_sampler=budget_sampler,
     )
 
-    if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()  # model (with label maps and default budget) + image processor
-        trainer.log_metrics("train", train_result.metrics)
-        trainer.save_metrics("train", train_result.metrics)  # train_results.json, merged into all_results.json
-        trainer.save_state()
-
-    eval_metrics = None
-    if training_args.do_eval:  # eval_results.json (merged into all_results.json): eval_C{C}_accuracy, ...
-        eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets)
-
-    kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "image-classification"}
-    if data_args.dataset_name is not None:
-        kwargs["dataset"] = redact_urls(data_args.dataset_name)  # Trainer's card: no URL credentials
-    if training_args.push_to_hub:
-        trainer.push_to_hub(**kwargs)  # saves the model, writes Trainer's card, uploads the folder
-
-    # The VECA card (per-budget accuracy, FLOPs and latency, how to pick a budget) replaces Trainer's README.md.
-    write_finetuned_model_card(
+    train_evaluate_and_publish(
         trainer,
+        budget_args,
+        budget_sampler,
         base_model=model_args.model_name_or_path,
         datasets=data_args.dataset_name or data_args.train_dir,
-        training_budget=training_budget_description(budget_args, budget_sampler, model),
-        eval_metrics=eval_metrics,
+        hub_dataset=data_args.dataset_name,
+        task="image-classification",
         metrics_description="accuracy (top-1) and cross-entropy loss on the validation split",
         description=f"Fine-tuned for image classification from `{model_args.model_name_or_path}` with "
         "`examples/finetune_classification.py`.",

@@ -37,52 +37,34 @@ See docs/dense_tasks.md.
 import logging
 from dataclasses import dataclass, field
 
-import transformers
-from transformers import HfArgumentParser, TrainingArguments
-
-import veca_hf  # registers VECA with the Auto classes
-from veca_hf.arguments import parse_args_with_file, redact_urls
+import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
 from veca_hf.budgets import (
-    BudgetArguments,
     budget_sampler_from_args,
-    eval_budgets_from_args,
     parse_number_list,
-    training_budget_description,
 )
 from veca_hf.dense import (
     SEGMENTATION_HEADS,
     DenseCollator,
     DenseDataArguments,
+    DenseModelArguments,
     DenseTransform,
     SegmentationMetrics,
     build_dense_processor,
     build_segmentation_model,
-    check_columns,
     freeze_backbone,
-    prepare_splits,
     resolve_id2label,
 )
-from veca_hf.hub import take_hub_token
-from veca_hf.model_card import write_finetuned_model_card
-from veca_hf.training import VecaTrainer, evaluate_and_save_budgets, setup_logging
+from veca_hf.training import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
 
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ModelArguments:
-    """Which model to fine-tune, and its head."""
+class ModelArguments(DenseModelArguments):
+    """Which model to fine-tune, and its head (the shared flags of `veca_hf.dense.DenseModelArguments`)."""
 
-    model_name_or_path: str = field(metadata={"help": "A VECA folder or Hub id (VecaModel, or a saved head)."})
     head: str = field(default="linear", metadata={"help": "linear or upernet.", "choices": SEGMENTATION_HEADS})
-    freeze_backbone: bool = field(default=False, metadata={"help": "Train the head only."})
-    backbone_out_indices: str | None = field(
-        default=None, metadata={"help": "UperNet's VECA stages, e.g. '3,6,9,12' (default: four, evenly spread)."}
-    )
-    head_hidden_size: int | None = field(default=None, metadata={"help": "UperNet's hidden_size (default 512)."})
-    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub downloads."})
-    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a Hub model."})
 
 
 @dataclass
@@ -96,31 +78,12 @@ class DataTrainingArguments(DenseDataArguments):
 
 
 def main():
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, BudgetArguments, TrainingArguments))
-    model_args, data_args, budget_args, training_args = parse_args_with_file(parser)
-    # NOTE: Trainer pickles its arguments into training_args.bin (output folder, checkpoints, upload): not the token.
-    take_hub_token(training_args)
-    if training_args.device.type == "cpu":
-        veca_hf.tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
-    # NOTE: with `with_transform` the image columns must reach the transform; Trainer would drop them otherwise.
-    training_args.remove_unused_columns = False
-    # NOTE: the metric keeps only each batch's labelled pixels (not every logit map of the validation set).
-    training_args.batch_eval_metrics = True
-    setup_logging(training_args, logger)
-    logger.info(f"Training/evaluation parameters {training_args}")
-    transformers.set_seed(training_args.seed)
-
-    dataset = data_args.load(model_args.cache_dir)
-    check_columns(dataset, {"--image_column": data_args.image_column, "--label_column": data_args.label_column})
-    train, validation = prepare_splits(
-        dataset,
-        training_args.do_train,
-        training_args.do_eval,
-        data_args.train_val_split,
-        data_args.max_train_samples,
-        data_args.max_eval_samples,
-        seed=training_args.seed,
+    model_args, data_args, budget_args, training_args = parse_finetuning_args(
+        (ModelArguments, DataTrainingArguments), logger, batch_eval_metrics=True
     )
+
+    target = ("--label_column", data_args.label_column)
+    train, validation = data_args.load_splits(training_args, target, model_args.cache_dir)
     label_options = {"reduce_labels": data_args.reduce_labels, "ignore_index": data_args.ignore_index}
     id2label = resolve_id2label(
         data_args.id2label_file, data_args.dataset_name, train, data_args.label_column, **label_options
@@ -171,26 +134,14 @@ def main():
         budget_sampler=budget_sampler,
     )
 
-    if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()  # model (label maps, default budget) + the any-size image processor
-        trainer.log_metrics("train", train_result.metrics)
-        trainer.save_metrics("train", train_result.metrics)
-        trainer.save_state()
-
-    eval_metrics = None
-    if training_args.do_eval:  # eval_results.json (merged into all_results.json): eval_C{C}_mean_iou, ...
-        eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets_from_args(budget_args, model))
-
-    if training_args.push_to_hub:  # Trainer's card names the data: without a URL's credentials
-        source = redact_urls(data_args.source) if data_args.source else None
-        trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="image-segmentation", dataset=source)
-    write_finetuned_model_card(
+    train_evaluate_and_publish(
         trainer,
+        budget_args,
+        budget_sampler,
         base_model=model_args.model_name_or_path,
         datasets=data_args.source,
-        training_budget=training_budget_description(budget_args, budget_sampler, model),
-        eval_metrics=eval_metrics,
+        hub_dataset=data_args.source,
+        task="image-segmentation",
         metrics_description="mean IoU, mean class accuracy and pixel accuracy on the validation split (labelled "
         f"pixels at the training resolution, short side {data_args.shortest_edge}), and the cross-entropy loss",
         description=f"Fine-tuned for semantic segmentation ({model_args.head} head) from "

@@ -63,6 +63,7 @@ __all__ = [
     "SEGMENTATION_HEADS",
     "DenseCollator",
     "DenseDataArguments",
+    "DenseModelArguments",
     "DenseTransform",
     "DepthMetrics",
     "SegmentationMetrics",
@@ -123,6 +124,21 @@ def load_dense_dataset(
 
 
 @dataclass
+class DenseModelArguments:
+    """The model flags both dense scripts take (each names its heads): which model, which head, which stages."""
+
+    model_name_or_path: str = field(metadata={"help": "A VECA folder or Hub id (VecaModel, or a saved head)."})
+    head: str = field(default="linear", metadata={"help": "The head on the backbone."})
+    freeze_backbone: bool = field(default=False, metadata={"help": "Train the head only."})
+    backbone_out_indices: str | None = field(
+        default=None, metadata={"help": "The neck's VECA stages, e.g. '3,6,9,12' (default: four, evenly spread)."}
+    )
+    head_hidden_size: int | None = field(default=None, metadata={"help": "The neck's width (default: transformers')."})
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to cache Hub downloads."})
+    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of a Hub model."})
+
+
+@dataclass
 class DenseDataArguments:
     """The data flags both dense scripts take (each adds its target's columns): where the splits come from, the image
     column, the resolution and the subsets. `load()` reads the splits."""
@@ -163,6 +179,21 @@ class DenseDataArguments:
             cache_dir,
             train_file=self.train_file,
             validation_file=self.validation_file,
+        )
+
+    def load_splits(self, training_args, target_column: tuple[str, str], cache_dir: str | None = None):
+        """`(train, validation)` as [`prepare_splits`] makes them from [`load`], after checking that every split has
+        the image column and `target_column` (`(flag, column)`, e.g. `("--depth_column", "depth")`)."""
+        dataset = self.load(cache_dir)
+        check_columns(dataset, {"--image_column": self.image_column, target_column[0]: target_column[1]})
+        return prepare_splits(
+            dataset,
+            training_args.do_train,
+            training_args.do_eval,
+            self.train_val_split,
+            self.max_train_samples,
+            self.max_eval_samples,
+            seed=training_args.seed,
         )
 
 

@@ -20,11 +20,25 @@ import sys
 from collections.abc import Iterator, Sequence
 
 import torch
+import transformers
 from torch import nn
-from transformers import Trainer
+from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.utils import logging
 
-from .budgets import BudgetSampler, find_veca_config, split_veca_inputs, veca_call_defaults, veca_config
+from .allocator import tune_cpu_allocator
+from .arguments import parse_args_with_file, redact_urls
+from .budgets import (
+    BudgetArguments,
+    BudgetSampler,
+    eval_budgets_from_args,
+    find_veca_config,
+    split_veca_inputs,
+    training_budget_description,
+    veca_call_defaults,
+    veca_config,
+)
+from .hub import take_hub_token
+from .model_card import write_finetuned_model_card
 from .optimization import get_parameter_groups
 
 
@@ -208,9 +222,85 @@ def setup_logging(training_args, logger: python_logging.Logger) -> None:
     datasets.utils.logging.set_verbosity(log_level)
 
 
+def parse_finetuning_args(script_arguments: tuple, logger: python_logging.Logger, batch_eval_metrics=False) -> tuple:
+    """
+    Parse a fine-tuning script's flags (or a JSON / YAML file of them first, later flags overriding it) into its
+    argument dataclasses, `BudgetArguments` and `TrainingArguments`, and set up what every such script needs: the Hub
+    token out of `TrainingArguments` (`Trainer` pickles them into `training_args.bin`, checkpoints and uploads), the
+    CPU allocator, logging and the seed.
+
+    Returns:
+        `tuple`: the parsed dataclasses, in the order of `script_arguments`, then `BudgetArguments` and
+        `TrainingArguments`.
+    """
+    parsed = parse_args_with_file(HfArgumentParser((*script_arguments, BudgetArguments, TrainingArguments)))
+    training_args = parsed[-1]
+    take_hub_token(training_args)
+    if training_args.device.type == "cpu":
+        tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
+    # NOTE: with `with_transform` the image columns must reach the transform; Trainer would drop them otherwise.
+    training_args.remove_unused_columns = False
+    # NOTE: dense metrics keep only each batch's valid pixels (not every output map of the validation set).
+    training_args.batch_eval_metrics = batch_eval_metrics
+    setup_logging(training_args, logger)
+    logger.info(f"Training/evaluation parameters {training_args}")
+    transformers.set_seed(training_args.seed)
+    return parsed
+
+
+def train_evaluate_and_publish(
+    trainer: Trainer,
+    budget_args: BudgetArguments,
+    budget_sampler: BudgetSampler | None,
+    *,
+    base_model: str,
+    datasets: str | None,
+    hub_dataset: str | None,
+    task: str,
+    metrics_description: str,
+    description: str,
+) -> None:
+    """
+    How every fine-tuning script ends: train (saving the model, its image processor, the metrics and the state),
+    evaluate at `--eval_budgets` (`eval_C{C}_<metric>` in `all_results.json`), push with `--push_to_hub`, and write
+    the VECA model card (per-budget metrics, FLOPs and latency) in place of `Trainer`'s.
+
+    Args:
+        datasets (`str`, *optional*): the training data, for the VECA card.
+        hub_dataset (`str`, *optional*): the dataset `Trainer`'s card names (URL credentials are removed).
+        task (`str`): the card's task, e.g. `"image-classification"`.
+        metrics_description, description (`str`): what the card says about the metrics and the model.
+    """
+    args, model = trainer.args, trainer.model
+    if args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        trainer.save_model()  # the model (label maps, default budget) and the image processor
+        trainer.log_metrics("train", train_result.metrics)
+        trainer.save_metrics("train", train_result.metrics)  # train_results.json, merged into all_results.json
+        trainer.save_state()
+    eval_metrics = None
+    if args.do_eval:
+        eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets_from_args(budget_args, model))
+    if args.push_to_hub:  # saves the model, writes Trainer's card, uploads the folder
+        trainer.push_to_hub(
+            finetuned_from=base_model, tasks=task, dataset=redact_urls(hub_dataset) if hub_dataset else None
+        )
+    write_finetuned_model_card(
+        trainer,
+        base_model=base_model,
+        datasets=datasets,
+        training_budget=training_budget_description(budget_args, budget_sampler, model),
+        eval_metrics=eval_metrics,
+        metrics_description=metrics_description,
+        description=description,
+    )
+
+
 __all__ = [
     "VecaTrainer",
     "evaluate_and_save_budgets",
     "evaluate_budgets",
+    "parse_finetuning_args",
     "setup_logging",
+    "train_evaluate_and_publish",
 ]
