@@ -112,9 +112,14 @@ def test_distill_script_reads_nulls_from_its_file(tmp_path):
 
 
 def test_every_example_loads_files_with_the_package_loader():
+    import inspect
+
+    from veca_hf.training import parse_finetuning_args
+
+    assert "parse_args_with_file(" in inspect.getsource(parse_finetuning_args)
     for name in ("distill", "finetune_classification", "finetune_segmentation", "finetune_depth", "linear_probe"):
         source = (ROOT / "examples" / f"{name}.py").read_text()
-        assert "parse_args_with_file(" in source, name
+        assert "parse_args_with_file(" in source or "parse_finetuning_args(" in source, name
         assert "parse_yaml_file" not in source and "parse_json_file" not in source, name
 
 
