@@ -127,9 +127,9 @@ def gathered_for_init(module: nn.Module) -> contextlib.AbstractContextManager:
 class VecaPatchEmbeddings(nn.Conv2d):
     """The patch embedding: a `Conv2d` with stride = kernel = `p`, run as one GEMM: `(B, 3, H, W) -> (B, N, D)`.
 
-    NOTE: such a convolution is a linear map of the flattened patches; as `F.linear` it ran ~1.5x faster than
-    oneDNN's convolution on CPU at 1024 px. It stays a `Conv2d` (same weights, same state-dict keys) and the GEMM
-    runs in its own `forward`, so module hooks (Accelerate offloading, DeepSpeed ZeRO-3) see every use of the weight.
+    Such a convolution is a linear map of the flattened patches, and one GEMM (`F.linear`) computes it faster on
+    CPU than oneDNN's convolution. It stays a `Conv2d` (same weights, same state-dict keys) and the GEMM runs in its
+    own `forward`, so module hooks (Accelerate offloading, DeepSpeed ZeRO-3) see every use of the weight.
     """
 
     def __init__(self, config: VecaConfig):
@@ -149,18 +149,18 @@ class VecaCoreBank(nn.ParameterList):
     """Chunks of equal shape `(chunk, width)`; called with a budget `C` (a multiple of `chunk`), returns the first `C`
     rows `(C, width)`."""
 
-    # NOTE: a ParameterList refuses to be called; a call (rather than reading its items from outside) runs module
+    # a ParameterList refuses to be called; a call (rather than reading its items from outside) runs module
     # hooks, which Accelerate's offloading and DeepSpeed ZeRO-3 need to bring the weights in.
     __call__ = nn.Module.__call__
 
     def forward(self, num_core_tokens: int) -> torch.Tensor:
         if torch.is_grad_enabled():
-            # NOTE: only the active chunks enter the autograd graph, so the others get `grad = None` and no gradient
+            # only the active chunks enter the autograd graph, so the others get `grad = None` and no gradient
             # hook: optimisers (AdamW momentum and weight decay included), DDP and DeepSpeed skip them, as in the
             # reference. With one (M, D) parameter sliced to C rows they would get zeros and AdamW would move them.
             chunks = list(self)
             return torch.cat(chunks[: num_core_tokens // chunks[0].shape[0]], dim=0)  # (C, width)
-        # NOTE: without autograd, a slice by the budget keeps one torch.compile graph for every budget.
+        # without autograd, a slice by the budget keeps one torch.compile graph for every budget.
         return torch.cat(list(self), dim=0)[:num_core_tokens]  # (C, width)
 
 
@@ -232,7 +232,7 @@ class VecaCorePeripheryAttention(nn.Module):
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = False  # NOTE: the SDPA integration treats modules without this flag as causal.
-        # NOTE: q, k and v in one GEMM (faster than three); the converter concatenates the reference's q/k/v rows.
+        # q, k and v in one GEMM rather than three; the converter concatenates the reference's q/k/v rows.
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
@@ -269,7 +269,7 @@ class VecaCorePeripheryAttention(nn.Module):
                 query, key, value, num_cores, attention_mask, output_attentions
             )  # (B, T, H, Hd), (B, H, T, T) or None
         else:
-            # NOTE: resolves to `eager_attention_forward` ("eager" is the only other implementation VECA accepts); the
+            # resolves to `eager_attention_forward` ("eager" is the only other implementation VECA accepts); the
             # lookup is also how transformers recognises that `set_attn_implementation` can switch this model.
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
@@ -361,7 +361,7 @@ class VecaLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # NOTE: cos/sin travel as separate tensors: re-entrant checkpointing loses gradients through tuples.
+        # cos/sin travel as separate tensors: re-entrant checkpointing loses gradients through tuples.
         attn_output, attn_weights = self.attention(
             self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), output_attentions, attention_mask
         )
@@ -414,7 +414,7 @@ class VecaPreTrainedModel(PreTrainedModel):
             os.makedirs(save_directory, exist_ok=True)
             for module in {ref.split(".")[0] for ref in shipped.values()}:
                 shutil.copyfile(here / f"{module}.py", Path(save_directory) / f"{module}.py")
-        # NOTE: the shipped entries win, and `repo--module` entries (code from another repository, e.g. left in a
+        # the shipped entries win, and `repo--module` entries (code from another repository, e.g. left in a
         # config loaded from elsewhere) are dropped: a re-saved folder points `trust_remote_code` at its own code only.
         existing = getattr(self.config, "auto_map", None) or {}
         foreign = {key: ref for key, ref in existing.items() if "--" in str(ref)}
@@ -526,7 +526,7 @@ class VecaModel(VecaPreTrainedModel):
         """The budget for this call: the argument, else `config.default_num_core_tokens`, else the whole bank."""
         if num_core_tokens is None:
             num_core_tokens = self.config.default_num_core_tokens or self.config.num_core_tokens
-        # NOTE: only an integer tensor becomes an int: `int()` would truncate 8.5 (or turn True into 1) silently.
+        # only an integer tensor becomes an int: `int()` would truncate 8.5 (or turn True into 1) silently.
         if isinstance(num_core_tokens, torch.Tensor) and num_core_tokens.numel() == 1:
             dtype = num_core_tokens.dtype
             if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
@@ -608,7 +608,7 @@ class VecaModel(VecaPreTrainedModel):
         patch_mask, attention_mask = None, None
         if pixel_mask is not None:
             patch_mask = get_patch_mask(pixel_mask.to(pixel_values.device), pixel_values.shape, patch_size)
-        # NOTE: a batch without padding (e.g. images of one size) takes the unmasked path below, exactly as without
+        # a batch without padding (e.g. images of one size) takes the unmasked path below, exactly as without
         # `pixel_mask`; only real padding costs a mask and per-image positions.
         if patch_mask is not None and not bool(patch_mask.all()):
             patch_coordinates = get_padded_patch_coordinates(patch_mask, dtype=torch.float32)  # (B, N, 2)
@@ -654,7 +654,7 @@ class VecaModel(VecaPreTrainedModel):
 class VecaForImageClassification(VecaPreTrainedModel):
     """VECA with a linear classifier on the global core (the first core after the final norm), the paper's probe."""
 
-    # NOTE: tells `Trainer` to pass `num_items_in_batch` (it otherwise looks for `**kwargs`, which VECA does not take).
+    # tells `Trainer` to pass `num_items_in_batch` (it otherwise looks for `**kwargs`, which VECA does not take).
     accepts_loss_kwargs = True
 
     def __init__(self, config: VecaConfig):
@@ -789,7 +789,7 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
             if self.config.reshape_hidden_states:
                 feature_map = patches.reshape(batch_size, *grid, -1).permute(0, 3, 1, 2).contiguous()  # (B, D, Hp, Wp)
             else:
-                # NOTE: only the global core stays, in the place of a ViT's CLS token: the ViT necks drop exactly one
+                # only the global core stays, in the place of a ViT's CLS token: the ViT necks drop exactly one
                 # prefix token (Depth Anything) or read it as the readout token (DPT).
                 feature_map = torch.cat([hidden_state[:, :1], patches], dim=1)  # (B, 1 + N, D)
             feature_maps.append(feature_map)
