@@ -497,9 +497,8 @@ def build_optimization(model: torch.nn.Module, args):
             f"NorMuon for {len(hidden)} hidden matrices ({hidden[0]}, ...); AdamW for the other "
             f"{sum(1 for p in model.parameters() if p.requires_grad) - len(hidden)} tensors."
         )
-    # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process). Its
-    # state (plain numbers) goes into training_state.json, not into a pickle Accelerate would load with a full
-    # unpickle (`register_for_checkpointing`).
+    # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process); its
+    # state (plain numbers) is saved as JSON in training_state.json, so a checkpoint holds no pickled object.
     scheduler = cosine_schedule_with_warmup(
         optimizer,
         args.learning_rate,
