@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 #
-# One-command GPU check (issue 15), under 8 minutes on one H200; prints one compact table, writes JSON.
+# One-command GPU check, under 8 minutes on one H200; prints one compact table, writes JSON.
 #
 #   benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]       # OUT_DIR default: $OUT if set, else benchmarks/results/gpu_check
 #   GPU_CHECK_DRY_RUN=1 benchmarks/gpu_check.sh         # the same stages at tiny sizes on CPU (about a minute)
