@@ -105,7 +105,7 @@ class StudyArguments:
 # equal widths).
 SMOKE_OVERRIDES = dict(
     student_overrides='{"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, '
-    '"intermediate_size": 128, "num_core_tokens": 16}',
+    '"intermediate_size": 128, "core_bank_size": 16}',
     photo_crops=4, heldout_photos=2, heldout_photo_crops=2, validation_fashion_mnist=8, num_shards=2, resolution=32,
     budgets="8,16", budget_weights="1,1", max_train_steps=4, per_device_train_batch_size=2, warmup_steps=1,
     checkpointing_steps=2, shuffle_buffer_size=16, dataloader_num_workers=0,

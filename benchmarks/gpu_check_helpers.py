@@ -28,7 +28,7 @@ def workspace(root: Path) -> None:
     teacher = DINOv3ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                               patch_size=16, num_register_tokens=4, image_size=64)  # fmt: skip
     DINOv3ViTModel(teacher).save_pretrained(root / "teacher")
-    VecaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170, num_core_tokens=16,
+    VecaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170, core_bank_size=16,
                core_chunk_size=8, image_size=64).save_pretrained(root / "student")  # fmt: skip
     images = root / "images"
     images.mkdir(exist_ok=True)

@@ -27,7 +27,7 @@ def tiny_config(**overrides) -> VecaConfig:
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=170,
-        num_core_tokens=16,
+        core_bank_size=16,
         core_chunk_size=8,
         image_size=64,
     )

@@ -52,7 +52,7 @@ def main() -> None:
         "zero_optimization": {"stage": args.stage},
         "steps_per_print": 1000,
     }
-    config = tiny_config(num_core_tokens=32)
+    config = tiny_config(core_bank_size=32)
     torch.manual_seed(0)
     if args.stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):

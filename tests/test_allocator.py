@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     # SwiGLU input (1, 16 + 1024, 2 * 4096) fp32 = 34 MiB: above glibc's largest mmap threshold (32 MiB)
     config = VecaConfig(hidden_size=64, num_attention_heads=2, intermediate_size=4096, num_hidden_layers=2,
-                        patch_size=16, num_core_tokens=16)
+                        patch_size=16, core_bank_size=16)
     model = VecaModel(config).eval()
     pixel_values = torch.randn(1, 3, 512, 512)
     with torch.no_grad():

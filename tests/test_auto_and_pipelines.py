@@ -209,7 +209,7 @@ def test_backbone_feature_maps(pixel_values):
     for feature_map in outputs.feature_maps:
         assert feature_map.shape == (batch_size, config.hidden_size, height // 16, width // 16)
 
-    num_cores = config.num_core_tokens
+    num_cores = config.core_bank_size
     norm = backbone.veca.norm
     with torch.no_grad():
         for index, feature_map in enumerate(outputs.feature_maps[:-1]):  # apply_layernorm=True: normed maps
@@ -471,7 +471,7 @@ def test_image_feature_extraction_pipeline(tmp_path):
     image = random_pil_images(1, size=(96, 80), seed=3)[0]
 
     features = extractor(image, return_tensors=True)
-    assert features.shape == (1, config.num_core_tokens + num_patches, config.hidden_size)
+    assert features.shape == (1, config.core_bank_size + num_patches, config.hidden_size)
     as_lists = extractor(image)  # nested lists by default
     assert torch.tensor(as_lists).shape == features.shape
 

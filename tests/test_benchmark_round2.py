@@ -121,7 +121,7 @@ def test_counted_training_flops_equal_three_forwards_minus_patch_embedding(budge
     from veca_hf.flops import count_training_flops, dinov3_training_flops, veca_training_flops
 
     config = VecaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170,
-                        num_core_tokens=16, core_chunk_size=8)  # fmt: skip
+                        core_bank_size=16, core_chunk_size=8)  # fmt: skip
     with torch.device("meta"):
         student = DINOv3ViTModel(dense_student_config(config)) if budget is None else VecaModel(config)
         module = StudentWithLoss(student, DistillationLoss(64, 64)).train()

@@ -1,6 +1,8 @@
 """Every bad configuration value is a `ValueError` naming the field and what is allowed, at config time; whatever
 values are drawn, a config and a forward either work or raise `ValueError`."""
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -25,8 +27,8 @@ from veca_hf.distillation import build_student_config
         ("core_chunk_size", 0, "core_chunk_size=0 must be a positive integer"),
         ("layer_norm_eps", -1e-5, "layer_norm_eps=-1e-05 must be positive"),
         ("rope_theta", 0.0, "rope_theta=0.0 must be positive"),
-        ("core_coordinate_init_candidates", 0, "core_coordinate_init_candidates=0 must be at least num_core_tokens"),
-        ("core_coordinate_init_candidates", 15, "core_coordinate_init_candidates=15 must be at least num_core_tokens"),
+        ("core_coordinate_init_candidates", 0, "core_coordinate_init_candidates=0 must be at least core_bank_size"),
+        ("core_coordinate_init_candidates", 15, "core_coordinate_init_candidates=15 must be at least core_bank_size"),
         ("core_coordinate_init_range", 0.0, r"core_coordinate_init_range=0.0 must be in \(0, 1\]"),
         ("pos_embed_rescale", 0.5, "pos_embed_rescale=0.5 must be None"),
         ("pos_embed_jitter", 0.9, "pos_embed_jitter=0.9 must be None"),
@@ -58,7 +60,7 @@ def test_student_overrides_typos_and_non_objects_are_errors():
     intermediate_size=st.integers(-1, 64),
     patch_size=st.integers(-1, 9),
     num_channels=st.integers(-1, 4),
-    num_core_tokens=st.integers(-8, 24),
+    core_bank_size=st.integers(-8, 24),
     core_chunk_size=st.integers(-1, 9),
     core_coordinate_init_candidates=st.integers(-1, 40),
     layer_norm_eps=st.floats(-1.0, 1.0, allow_nan=False),
@@ -78,4 +80,22 @@ def test_any_drawn_config_works_or_is_a_value_error(side, **values):
     except ValueError:
         return
     grid = side // config.patch_size
-    assert outputs.last_hidden_state.shape == (1, config.num_core_tokens + grid * grid, config.hidden_size)
+    assert outputs.last_hidden_state.shape == (1, config.core_bank_size + grid * grid, config.hidden_size)
+
+
+def test_a_folder_that_names_the_bank_num_core_tokens_still_loads(tmp_path):
+    """Folders saved before the bank was `core_bank_size` (their config.json says `num_core_tokens`, also the
+    converter's older output) load with the same bank and weights; a config saved today writes the new name only."""
+    model = VecaModel(tiny_config(core_bank_size=24)).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["core_bank_size"] == 24 and "num_core_tokens" not in saved
+    saved["num_core_tokens"] = saved.pop("core_bank_size")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+
+    reloaded = VecaModel.from_pretrained(tmp_path).eval()
+    assert reloaded.config.core_bank_size == 24 and reloaded.config.budgets == [8, 16, 24]
+    pixel_values = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(pixel_values).last_hidden_state, model(pixel_values).last_hidden_state)
+    assert VecaConfig(num_core_tokens=16, core_coordinate_init_candidates=100).core_bank_size == 16

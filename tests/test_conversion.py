@@ -85,7 +85,7 @@ def test_cli_writes_a_complete_folder(tmp_path):
     assert {"config.json", "model.safetensors", "preprocessor_config.json", "modeling_veca.py"} <= names
     assert VecaImageProcessor.from_pretrained(output_dir).crop_size == {"height": 256, "width": 256}
     model = VecaModel.from_pretrained(output_dir)
-    assert model.config.rope_zero_frequency_ratio == 0.125 and model.config.num_core_tokens == 16
+    assert model.config.rope_zero_frequency_ratio == 0.125 and model.config.core_bank_size == 16
 
 
 def test_prefixes_and_bare_state_dicts_are_accepted(tmp_path):

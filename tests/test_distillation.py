@@ -95,17 +95,17 @@ def test_budget_sampler_is_identical_across_ranks_and_follows_the_weights():
 def test_default_budgets_follow_the_student_bank():
     """Every chunk multiple up to the bank, weights ceil(4 i / K): the paper's 1,1,2,2,3,3,4,4 for a bank of 64."""
     assert paper_budget_weights(8) == list(DEFAULT_BUDGET_WEIGHTS)
-    assert default_budgets(tiny_config(num_core_tokens=64)) == (list(DEFAULT_BUDGETS), list(DEFAULT_BUDGET_WEIGHTS))
-    assert default_budgets(tiny_config(num_core_tokens=16)) == ([8, 16], [2, 4])
-    assert default_budgets(tiny_config(num_core_tokens=32)) == ([8, 16, 24, 32], [1, 2, 3, 4])
-    assert default_budgets(tiny_config(num_core_tokens=16, core_chunk_size=4)) == ([4, 8, 12, 16], [1, 2, 3, 4])
+    assert default_budgets(tiny_config(core_bank_size=64)) == (list(DEFAULT_BUDGETS), list(DEFAULT_BUDGET_WEIGHTS))
+    assert default_budgets(tiny_config(core_bank_size=16)) == ([8, 16], [2, 4])
+    assert default_budgets(tiny_config(core_bank_size=32)) == ([8, 16, 24, 32], [1, 2, 3, 4])
+    assert default_budgets(tiny_config(core_bank_size=16, core_chunk_size=4)) == ([4, 8, 12, 16], [1, 2, 3, 4])
     for count in range(1, 20):  # non-decreasing, ends at 4
         weights = paper_budget_weights(count)
         assert weights == sorted(weights) and weights[-1] == 4 and len(weights) == count
 
 
 def test_training_budgets_defaults_and_errors():
-    config = tiny_config(num_core_tokens=16)
+    config = tiny_config(core_bank_size=16)
     assert training_budgets(config) == ([8, 16], [2.0, 4.0])
     assert training_budgets(config, "16,8") == ([16, 8], [4.0, 2.0])  # weights follow the budget, not the position
     assert training_budgets(config, "8,16", "1,1") == ([8, 16], [1.0, 1.0])

@@ -143,7 +143,7 @@ def test_block_flops_arguments():
 
 # --- whole model ---------------------------------------------------------------------------------------------------
 
-BIGGER = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=341, num_core_tokens=32)
+BIGGER = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=341, core_bank_size=32)
 
 
 @pytest.mark.parametrize("overrides", [{}, BIGGER], ids=["tiny", "bigger"])

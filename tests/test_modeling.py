@@ -92,7 +92,7 @@ def test_bad_channels_and_rank_raise_value_error():
     [
         ({"hidden_size": 60, "num_attention_heads": 4}, "multiple of 4"),
         ({"hidden_size": 64, "num_attention_heads": 3}, "divisible"),
-        ({"num_core_tokens": 20}, "multiple of core_chunk_size"),
+        ({"core_bank_size": 20}, "multiple of core_chunk_size"),
         ({"default_num_core_tokens": 12}, "default_num_core_tokens"),
     ],
 )
@@ -336,7 +336,7 @@ def test_torch_compile_dynamic_builds_one_graph_for_every_budget_and_size():
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
-    model = VecaModel(tiny_config(num_core_tokens=32)).eval()
+    model = VecaModel(tiny_config(core_bank_size=32)).eval()
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, dynamic=True, fullgraph=True)
     with torch.no_grad():

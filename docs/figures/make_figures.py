@@ -73,7 +73,7 @@ def draw_attention_pattern(fig, ax) -> None:
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=170,
-        num_core_tokens=16,
+        core_bank_size=16,
         initializer_range=0.3,
     )
     model = VecaModel(config).eval()

@@ -113,7 +113,7 @@ def default_budgets(config: VecaConfig) -> tuple[list[int], list[int]]:
     """
     The elastic training budgets of a student and their sampling weights, when none are given.
 
-    Every multiple of `config.core_chunk_size` up to `config.num_core_tokens` (`config.budgets`), weighted by
+    Every multiple of `config.core_chunk_size` up to `config.core_bank_size` (`config.budgets`), weighted by
     [`paper_budget_weights`] so that larger budgets are drawn more often, as in the paper (arXiv 2605.12491): a bank of
     64 cores in chunks of 8 gives `8, 16, ..., 64` with weights `1, 1, 2, 2, 3, 3, 4, 4`; 16 cores give `8, 16` with
     weights `2, 4`.
@@ -162,7 +162,7 @@ def training_budgets(
     weights = parse_number_list(budget_weights, "budget_weights", float)
     if len(weights) != len(values):
         source = (
-            "--budgets" if budgets is not None else f"the student's budgets (num_core_tokens={config.num_core_tokens})"
+            "--budgets" if budgets is not None else f"the student's budgets (core_bank_size={config.core_bank_size})"
         )
         raise ValueError(
             f"--budget_weights {budget_weights!r} has {len(weights)} weights but {source} {values} has {len(values)} "
@@ -314,7 +314,7 @@ def budget_sampler_from_args(budget_args: BudgetArguments, model: nn.Module, see
 def eval_budgets_from_args(budget_args: BudgetArguments, model: nn.Module) -> list[int]:
     """`--eval_budgets`, else the smallest budget, the model's default and the largest."""
     config = veca_config(model)
-    default_budget = config.default_num_core_tokens or config.num_core_tokens
+    default_budget = config.default_num_core_tokens or config.core_bank_size
     return parse_number_list(budget_args.eval_budgets, "eval_budgets") or sorted(
         {config.budgets[0], default_budget, config.budgets[-1]}
     )
@@ -327,7 +327,7 @@ def training_budget_description(
     if budget_sampler is not None:
         return f"sampled per step from {list(budget_sampler.values)}"
     config = veca_config(model)
-    return budget_args.num_core_tokens or config.default_num_core_tokens or config.num_core_tokens
+    return budget_args.num_core_tokens or config.default_num_core_tokens or config.core_bank_size
 
 
 @dataclass

@@ -58,13 +58,14 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
             Side of the square patches.
         num_channels (`int`, *optional*, defaults to 3):
             Number of input channels.
-        num_core_tokens (`int`, *optional*, defaults to 64):
-            Size `M` of the core bank, the largest budget. A multiple of `core_chunk_size`.
+        core_bank_size (`int`, *optional*, defaults to 64):
+            Size `M` of the core bank, the largest budget. A multiple of `core_chunk_size`. (`num_core_tokens` is
+            the budget `C` that `forward` takes; configs that used it for the bank still load.)
         core_chunk_size (`int`, *optional*, defaults to 8):
             Cores are stored, and budgets chosen, in chunks of this many. The smallest budget is one chunk.
         default_num_core_tokens (`int`, *optional*):
             Budget used when `forward` is called without `num_core_tokens` (pipelines, `Trainer`). `None` means
-            the whole bank (`num_core_tokens`).
+            the whole bank (`core_bank_size`).
         rope_theta (`float`, *optional*, defaults to 100.0):
             Base of the RoPE periods, as in DINOv3.
         rope_zero_frequency_ratio (`float`, *optional*, defaults to 0.125):
@@ -123,7 +124,7 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     image_size: int = 256
     patch_size: int = 16
     num_channels: int = 3
-    num_core_tokens: int = 64
+    core_bank_size: int = 64
     core_chunk_size: int = 8
     default_num_core_tokens: int | None = None
     rope_theta: float = 100.0
@@ -141,6 +142,8 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     _out_indices: list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        if "num_core_tokens" in kwargs:  # the bank's name in configs saved before `core_bank_size`
+            self.core_bank_size = kwargs.pop("num_core_tokens")
         self.stage_names = ["stem"] + [f"stage{i}" for i in range(1, self.num_hidden_layers + 1)]
         self.set_output_features_output_indices(
             out_indices=kwargs.pop("out_indices", None), out_features=kwargs.pop("out_features", None)
@@ -153,7 +156,7 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     def _check_sizes(self):
         """Raises a `ValueError` naming the offending field, its value and what is allowed."""
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
-                     "patch_size", "num_channels", "num_core_tokens", "core_chunk_size"):  # fmt: skip
+                     "patch_size", "num_channels", "core_bank_size", "core_chunk_size"):  # fmt: skip
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer.")
@@ -175,15 +178,15 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
             raise ValueError(
                 f"The head size hidden_size / num_attention_heads = {head_dim} must be a multiple of 4 for 2D RoPE."
             )
-        if self.num_core_tokens % self.core_chunk_size != 0:
+        if self.core_bank_size % self.core_chunk_size != 0:
             raise ValueError(
-                f"num_core_tokens ({self.num_core_tokens}) must be a multiple of core_chunk_size "
+                f"core_bank_size ({self.core_bank_size}) must be a multiple of core_chunk_size "
                 f"({self.core_chunk_size})."
             )
-        if self.core_coordinate_init_candidates < self.num_core_tokens:
+        if self.core_coordinate_init_candidates < self.core_bank_size:
             raise ValueError(
                 f"core_coordinate_init_candidates={self.core_coordinate_init_candidates!r} must be at least "
-                f"num_core_tokens ({self.num_core_tokens}): the initial core positions are picked among them, and "
+                f"core_bank_size ({self.core_bank_size}): the initial core positions are picked among them, and "
                 "fewer would place cores on top of each other."
             )
         if not 0 < self.core_coordinate_init_range <= 1:
@@ -202,8 +205,8 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
 
     @property
     def budgets(self) -> list[int]:
-        """Every valid budget: `core_chunk_size, 2 * core_chunk_size, ..., num_core_tokens`."""
-        return list(range(self.core_chunk_size, self.num_core_tokens + 1, self.core_chunk_size))
+        """Every valid budget: `core_chunk_size, 2 * core_chunk_size, ..., core_bank_size`."""
+        return list(range(self.core_chunk_size, self.core_bank_size + 1, self.core_chunk_size))
 
     def check_budget(self, num_core_tokens, name: str = "num_core_tokens") -> int:
         """Returns `num_core_tokens` as an int, or raises a `ValueError` that lists the valid budgets."""
@@ -212,7 +215,7 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
         if not valid or int(num_core_tokens) not in self.budgets:
             raise ValueError(
                 f"{name}={num_core_tokens!r} is not a valid budget: use a multiple of core_chunk_size="
-                f"{self.core_chunk_size} between {self.core_chunk_size} and num_core_tokens={self.num_core_tokens}, "
+                f"{self.core_chunk_size} between {self.core_chunk_size} and core_bank_size={self.core_bank_size}, "
                 f"i.e. one of {self.budgets}."
             )
         return int(num_core_tokens)

@@ -140,7 +140,7 @@ def infer_config(state_dict: dict[str, torch.Tensor], checkpoint_config: dict | 
         intermediate_size=int(intermediate_size),
         patch_size=int(patch_size),
         num_channels=int(num_channels),
-        num_core_tokens=num_chunks * chunk_size,
+        core_bank_size=num_chunks * chunk_size,
         core_chunk_size=int(chunk_size),
         rope_zero_frequency_ratio=float(stored.get("rope_p_zero_freqs", 0.125)),
         pos_embed_shift=stored.get("rope_shift_coords", 0.08),
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     num_parameters = sum(p.numel() for p in model.parameters())
     print(
         f"Converted {args.checkpoint} -> {args.output_dir}: D={config.hidden_size}, L={config.num_hidden_layers}, "
-        f"heads={config.num_attention_heads}, bank={config.num_core_tokens}, {num_parameters / 1e6:.2f}M parameters."
+        f"heads={config.num_attention_heads}, bank={config.core_bank_size}, {num_parameters / 1e6:.2f}M parameters."
     )
     if repo_id is not None:
         push_to_hub(args.output_dir, repo_id, token=args.hub_token)

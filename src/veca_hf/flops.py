@@ -142,7 +142,7 @@ def veca_model_flops(
         `int`: the FLOPs (multiply-add = 2).
     """
     if num_core_tokens is None:
-        num_core_tokens = getattr(config, "default_num_core_tokens", None) or config.num_core_tokens
+        num_core_tokens = getattr(config, "default_num_core_tokens", None) or config.core_bank_size
     if hasattr(config, "check_budget"):
         num_core_tokens = config.check_budget(int(num_core_tokens))
     hidden_size, intermediate_size = config.hidden_size, config.intermediate_size

@@ -368,8 +368,8 @@ def write_model_card(
         f"| layers / width / heads / MLP | {config.num_hidden_layers} / {config.hidden_size} / "
         f"{config.num_attention_heads} / {config.intermediate_size} (SwiGLU) |",
         f"| patch size | {config.patch_size} |",
-        f"| core bank | {config.num_core_tokens} cores in chunks of {config.core_chunk_size} |",
-        f"| default budget | {config.default_num_core_tokens or config.num_core_tokens} "
+        f"| core bank | {config.core_bank_size} cores in chunks of {config.core_chunk_size} |",
+        f"| default budget | {config.default_num_core_tokens or config.core_bank_size} "
         f"(`config.{'' if has_veca_code else 'backbone_config.'}default_num_core_tokens`) |",
     ]
     if base_model:

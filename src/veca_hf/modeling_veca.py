@@ -178,7 +178,7 @@ class VecaEmbeddings(nn.Module):
     def __init__(self, config: VecaConfig):
         super().__init__()
         self.config = config
-        num_chunks = config.num_core_tokens // config.core_chunk_size
+        num_chunks = config.core_bank_size // config.core_chunk_size
         self.patch_embeddings = VecaPatchEmbeddings(config)
         self.core_tokens = VecaCoreTokens(
             [nn.Parameter(torch.empty(config.core_chunk_size, config.hidden_size)) for _ in range(num_chunks)]
@@ -444,7 +444,7 @@ class VecaPreTrainedModel(PreTrainedModel):
                 init.normal_(chunk, mean=0.0, std=self.config.hidden_size**-0.5)
         elif isinstance(module, VecaCoreCoordinates):
             core_coordinates = farthest_point_core_coordinates(
-                self.config.num_core_tokens,
+                self.config.core_bank_size,
                 self.config.core_coordinate_init_candidates,
                 self.config.core_coordinate_init_range,
             )
@@ -525,7 +525,7 @@ class VecaModel(VecaPreTrainedModel):
     def resolve_num_core_tokens(self, num_core_tokens: int | None) -> int:
         """The budget for this call: the argument, else `config.default_num_core_tokens`, else the whole bank."""
         if num_core_tokens is None:
-            num_core_tokens = self.config.default_num_core_tokens or self.config.num_core_tokens
+            num_core_tokens = self.config.default_num_core_tokens or self.config.core_bank_size
         # only an integer tensor becomes an int: `int()` would truncate 8.5 (or turn True into 1) silently.
         if isinstance(num_core_tokens, torch.Tensor) and num_core_tokens.numel() == 1:
             dtype = num_core_tokens.dtype
@@ -574,7 +574,7 @@ class VecaModel(VecaPreTrainedModel):
                 Normalised images; height and width any multiples of `config.patch_size`.
             num_core_tokens (`int`, *optional*):
                 The budget `C`: how many cores of the bank are active (a prefix). A multiple of
-                `config.core_chunk_size` up to `config.num_core_tokens`. Defaults to `config.default_num_core_tokens`,
+                `config.core_chunk_size` up to `config.core_bank_size`. Defaults to `config.default_num_core_tokens`,
                 else the whole bank.
             output_attentions (`bool`, *optional*):
                 Return each block's block-sparse `(B, H, T, T)` attention map. This materialises the dense map
