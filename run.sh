@@ -18,7 +18,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # NOTE: pin torch explicitly first so no dependency range pulls a newer (multi-GB) build.
     "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-    "$VENV/bin/python" -m pip install -q -e ".[train,dev,deepspeed,demo,remote]"
+    "$VENV/bin/python" -m pip install -q -e ".[train,dev,deepspeed,demo,remote,app]"
     echo "$WANT" > "$STAMP"
 fi
 
@@ -28,6 +28,14 @@ job="${1:-main}"
 case "$job" in
     test)
         export HF_HUB_OFFLINE=1
+        # The demo's browser test drives Debian's Chromium: installed here when missing (as root), never skipped.
+        if [ -z "${VECA_HF_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
+            if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+                apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+            else
+                echo "tests/test_app.py needs Chromium: 'sudo apt-get install chromium', or set VECA_HF_CHROMIUM" >&2
+            fi
+        fi
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
     lint)

@@ -1,5 +1,6 @@
 """The budget dial's pictures (`veca_hf.evaluation.dial`): shapes at every budget, one PCA basis for all budgets, a
-click on the right patch, cores over the image, attention costs that grow with the budget, clear errors."""
+click on the right patch, cores over the image, attention costs that grow with the budget, the drawn pictures and
+`dial` (every picture of the demo, with a teacher beside), clear errors."""
 
 import numpy as np
 import PIL.Image
@@ -13,9 +14,14 @@ from veca_hf.evaluation.dial import (
     attention_cost,
     core_attention,
     core_pixels,
+    cost_plot,
+    dial,
+    draw_cores,
+    heatmap,
     patch_at,
     patch_colours,
     patch_features_by_budget,
+    patch_picture,
     similarity_map,
     timed_forward,
 )
@@ -39,6 +45,8 @@ def test_an_image_is_prepared_at_the_resolution_and_bounded_in_size(dial_image):
     assert dial_image.image.size == (48, 32) and dial_image.resized_from is None
     large = DialImage.prepare(np.zeros((200, 1000, 3), np.uint8), 64, 16, max_side=256)
     assert large.resized_from == (1000, 200) and max(large.image.size) <= 256
+    odd = DialImage.prepare(np.zeros((100, 2000, 3), np.uint8), 28, 14, max_side=1024)  # 1024 is no multiple of 14
+    assert max(odd.pixel_values.shape[-2:]) <= 1022 and odd.pixel_values.shape[-1] % 14 == 0
 
 
 def test_bad_uploads_and_resolutions_are_clear_errors():
@@ -93,3 +101,50 @@ def test_attention_costs_grow_with_the_budget_and_stay_below_dense():
     assert all(a["veca_flops"] < b["veca_flops"] for a, b in zip(small, large, strict=True))
     assert small[1]["dense_flops"] == large[1]["dense_flops"] and small[1]["ratio"] < small[0]["ratio"] < 1.5
     assert large[1]["ratio"] < 1  # 256 patches: dense attention's N^2 dominates
+
+
+def test_values_are_drawn_one_square_per_patch(dial_image):
+    colours = np.arange(18, dtype=np.uint8).reshape(2, 3, 3) * 10
+    picture = patch_picture(colours, (48, 32))
+    assert picture.size == (48, 32) and picture.getpixel((20, 10)) == tuple(colours[0, 1])  # 16 px per patch
+    values = torch.tensor([[0.0, 0.5, 1.0], [1.0, 0.5, 0.0]])
+    over = heatmap(values, dial_image.image, value_range=(0.0, 1.0), alpha=1.0)  # the colours alone
+    assert over.size == dial_image.image.size
+    assert sum(over.getpixel((40, 8))) > sum(over.getpixel((8, 8)))  # magma: high values bright
+    assert over.getpixel((8, 8)) == over.getpixel((40, 24))  # equal values, equal colours
+    dots = draw_cores(dial_image.image, np.array([[10.0, 10.0], [30.0, 20.0]]), chosen=1)
+    assert dots.size == dial_image.image.size and dots.getpixel((10, 10)) == (0, 255, 255)
+    plot = cost_plot(attention_cost(tiny_config(), 8, [64, 128]), 64)
+    assert plot.mode == "RGB" and plot.size == (420, 280)
+
+
+def test_dial_gives_every_picture_for_one_budget_and_a_teacher_beside(model):
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    teacher = Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=64, patch_size=14, image_size=56)).eval()  # fmt: skip
+    image = np.random.default_rng(1).integers(0, 256, (70, 100, 3), dtype=np.uint8)
+    answers = {}
+    for budget in (8, 16):
+        out = dial(model, image, budget, 64, block=-1, core=2, click=(5, 60), teacher=teacher)
+        size = out.patches.size
+        assert size == (96, 64)  # short side 64, multiples of 16
+        for picture in (out.similarity, out.cores, out.core_attention, out.teacher_patches, out.teacher_similarity):
+            assert picture.size == size
+        assert out.clicked_patch == (3, 0) and out.seconds > 0 and out.notes == []
+        answers[budget] = out.attention_flops
+    assert answers[8] < answers[16]  # (at 16 patches, dense attention is cheaper than 16 cores: the plot shows where)
+    assert dial(model, image, 8, 64, teacher=None).teacher_patches is None
+    patch14 = VecaModel(tiny_config(patch_size=14)).eval()  # its cost plot's sides: multiples of 14 up to 1022
+    assert dial(patch14, image, 8, 56, cost_resolutions=(224, 1024)).attention_flops > 0
+    bounded = dial(model, np.zeros((64, 640, 3), np.uint8), 8, 64, max_side=256)
+    assert "long side would pass 256 px" in bounded.notes[0]
+    for kwargs, message in (
+        ({"budget": 12}, "budget=12 is not a valid budget"),
+        ({"block": 2}, r"block must be in \[-2, 2\)"),
+        ({"core": 8}, r"one of the 8 active cores \(0 to 7\)"),
+        ({"click": (500, 0)}, "outside the 96 x 64 image"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            dial(model, image, **{"budget": 8, "resolution": 64, **kwargs})

@@ -8,16 +8,20 @@
 - `core_pixels` and `core_attention`: where the cores sit over the image in a block, and one core's attention over
   the patches.
 - `attention_cost`: attention FLOPs of VECA at a budget against a dense ViT of the same size, across resolutions.
+- `patch_picture`, `heatmap`, `draw_cores`, `cost_plot`: those values drawn over (or beside) the image.
+- `dial`: everything above for one image at one budget, as the demo app (`examples/app.py`) shows it.
 
 Shape legend: Hp x Wp patch grid, D width, C budget, L blocks, h x w pixels.
 """
 
+import io
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import PIL.Image
+import PIL.ImageDraw
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +33,12 @@ from .features import extract_features
 
 __all__ = [
     "DialImage",
+    "DialOutputs",
+    "cost_plot",
+    "dial",
+    "draw_cores",
+    "heatmap",
+    "patch_picture",
     "attention_cost",
     "core_attention",
     "core_pixels",
@@ -66,6 +76,7 @@ class DialImage:
         if resolution <= 0 or resolution % patch_size:
             raise ValueError(f"The resolution {resolution} is not a positive multiple of the patch size {patch_size}.")
         image = image.convert("RGB")
+        max_side = max(patch_size, max_side // patch_size * patch_size)  # a side the model can take
         resized_from = image.size if max(image.size) > max_side else None
         resized, pixel_values = image_at_resolution(image, resolution, patch_size, max_side=max_side)
         return cls(resized, pixel_values, patch_size, resized_from)
@@ -142,3 +153,151 @@ def timed_forward(model, pixel_values: torch.Tensor, budget: int) -> float:
     start = time.perf_counter()
     model(pixel_values, num_core_tokens=budget)
     return time.perf_counter() - start
+
+
+def patch_picture(colours: np.ndarray, size: tuple[int, int]) -> PIL.Image.Image:
+    """`(Hp, Wp, 3)` uint8 patch colours as a `size` `(w, h)` picture, one flat square per patch."""
+    return PIL.Image.fromarray(colours).resize(size, PIL.Image.Resampling.NEAREST)
+
+
+def heatmap(
+    values: torch.Tensor, image: PIL.Image.Image, value_range: tuple[float, float] | None = None, alpha: float = 0.65
+) -> PIL.Image.Image:
+    """`(Hp, Wp)` values coloured (matplotlib's `magma`, low dark) and laid over `image`, one square per patch.
+    `value_range` fixes what the colours span (e.g. `(-1, 1)` for cosines); by default the values' own min-max."""
+    from matplotlib import colormaps
+
+    values = values.detach().float().cpu().numpy()
+    low, high = value_range if value_range is not None else (float(values.min()), float(values.max()))
+    scaled = np.clip((values - low) / max(high - low, 1e-12), 0.0, 1.0)
+    colours = (colormaps["magma"](scaled)[..., :3] * 255).round().astype(np.uint8)  # (Hp, Wp, 3)
+    return PIL.Image.blend(image.convert("RGB"), patch_picture(colours, image.size), alpha)
+
+
+def draw_cores(image: PIL.Image.Image, xy: np.ndarray, chosen: int | None = None) -> PIL.Image.Image:
+    """`image` with a dot on each core (`(C, 2)` pixels, `core_pixels`); the `chosen` one larger and ringed."""
+    drawn = image.convert("RGB").copy()
+    draw = PIL.ImageDraw.Draw(drawn)
+    radius = max(2.0, min(drawn.size) / 80)
+    for index, (x, y) in enumerate(xy):
+        r = radius * 2 if index == chosen else radius
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=(0, 255, 255), outline=(0, 0, 0))
+        if index == chosen:
+            draw.ellipse((x - 2 * r, y - 2 * r, x + 2 * r, y + 2 * r), outline=(255, 255, 0), width=2)
+    return drawn
+
+
+def cost_plot(rows: list[dict], resolution: int) -> PIL.Image.Image:
+    """A small plot of attention GFLOPs against resolution (`attention_cost` rows), VECA and dense, this
+    `resolution` marked."""
+    from matplotlib.figure import Figure  # drawn to memory, no pyplot: the process's backend stays untouched
+
+    figure = Figure(figsize=(4.2, 2.8), dpi=100)
+    axes = figure.add_subplot()
+    sides = [row["resolution"] for row in rows]
+    axes.plot(sides, [row["dense_flops"] / 1e9 for row in rows], "o-", label="dense ViT", color="tab:gray")
+    axes.plot(sides, [row["veca_flops"] / 1e9 for row in rows], "o-", label="VECA", color="tab:blue")
+    here = next((row for row in rows if row["resolution"] == resolution), None)
+    if here is not None:
+        axes.plot([resolution], [here["veca_flops"] / 1e9], "*", markersize=14, color="tab:orange", label="this image")
+    axes.set_xlabel("resolution (px, square)")
+    axes.set_ylabel("attention GFLOPs")
+    axes.set_yscale("log")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return PIL.Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+
+
+@dataclass
+class DialOutputs:
+    """What one image looks like at one budget: the pictures (RGB, the size of the drawn image, except `cost`) and
+    the numbers the demo prints. The `teacher_*` pictures are `None` without a teacher."""
+
+    patches: PIL.Image.Image
+    similarity: PIL.Image.Image
+    cores: PIL.Image.Image
+    core_attention: PIL.Image.Image
+    cost: PIL.Image.Image
+    seconds: float
+    attention_flops: int
+    dense_attention_flops: int
+    clicked_patch: tuple[int, int]
+    teacher_patches: PIL.Image.Image | None = None
+    teacher_similarity: PIL.Image.Image | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def dial(
+    model,
+    image,
+    budget: int,
+    resolution: int,
+    block: int = -1,
+    core: int = 0,
+    click: tuple[float, float] | None = None,
+    teacher=None,
+    max_side: int = 1024,
+    cost_resolutions: Sequence[int] = (224, 448, 672, 896, 1024),
+) -> DialOutputs:
+    """Every picture of the demo for `image` at `budget`: patch colours (one PCA basis over all of the model's
+    budgets), the similarity map to the patch under `click` (`(x, y)` pixels of the drawn image; its centre by
+    default), the cores over the image in `block` (negative counts from the end), core `core`'s attention there,
+    this forward's wall time and the attention cost against a dense ViT. With a `teacher` (DINOv2 / DINOv3), its
+    colours and similarity map beside VECA's, at the same image size rounded to its own patch size.
+
+    Raises:
+        `ValueError`: for a bad image, resolution, budget, block, core or click, each naming the fix.
+    """
+    config = model.config
+    budget = config.check_budget(budget, name="budget")
+    dial_image = DialImage.prepare(image, resolution, config.patch_size, max_side=max_side)
+    notes = []
+    width, height = dial_image.image.size
+    if min(width, height) < resolution - config.patch_size:  # the long side was bounded, the short one shrank
+        notes.append(f"At {resolution} px this image's long side would pass {max_side} px: shown at {width} x "
+                     f"{height} instead.")  # fmt: skip
+    blocks = config.num_hidden_layers
+    if not -blocks <= block < blocks:
+        raise ValueError(f"block must be in [{-blocks}, {blocks}), got {block}.")
+    block %= blocks
+    if not 0 <= core < budget:
+        raise ValueError(f"core must be one of the {budget} active cores (0 to {budget - 1}), got {core}.")
+    x, y = click if click is not None else (width / 2, height / 2)
+    row, col = patch_at(x, y, dial_image.image.size, dial_image.grid)
+
+    seconds = timed_forward(model, dial_image.pixel_values, budget)
+    features = patch_features_by_budget(model, dial_image.pixel_values, config.budgets)
+    colours = patch_colours(features)[budget]
+    similarity = similarity_map(features[budget], row, col)
+    sides = {config.patch_size * max(1, side // config.patch_size) for side in cost_resolutions}  # the model's sides
+    cost = attention_cost(config, budget, sorted({*sides, resolution}))
+    here = next(entry for entry in cost if entry["resolution"] == resolution)
+    outputs = DialOutputs(
+        patches=patch_picture(colours, dial_image.image.size),
+        similarity=heatmap(similarity, dial_image.image, value_range=(-1.0, 1.0)),
+        cores=draw_cores(dial_image.image, core_pixels(model, dial_image, budget, block), chosen=core),
+        core_attention=heatmap(core_attention(model, dial_image, budget, block, core), dial_image.image),
+        cost=cost_plot(cost, resolution),
+        seconds=seconds,
+        attention_flops=here["veca_flops"],
+        dense_attention_flops=here["dense_flops"],
+        clicked_patch=(row, col),
+        notes=notes,
+    )
+    if teacher is not None:
+        teacher_patch = teacher.config.patch_size
+        side = max(teacher_patch, round(resolution / teacher_patch) * teacher_patch)
+        teacher_image = DialImage.prepare(dial_image.image, side, teacher_patch, max_side=max_side)
+        _, teacher_features = extract_features(teacher, teacher_image.pixel_values)
+        teacher_colours, _ = project_to_rgb([teacher_features[0]], method="pca")
+        teacher_colours = (teacher_colours[0].numpy() * 255).round().astype(np.uint8)
+        t_row, t_col = patch_at(x * teacher_image.image.size[0] / width, y * teacher_image.image.size[1] / height,
+                                teacher_image.image.size, teacher_image.grid)  # fmt: skip
+        outputs.teacher_patches = patch_picture(teacher_colours, dial_image.image.size)
+        teacher_similarity = similarity_map(teacher_features[0], t_row, t_col)
+        outputs.teacher_similarity = heatmap(teacher_similarity, teacher_image.image, value_range=(-1.0, 1.0)).resize(
+            dial_image.image.size, PIL.Image.Resampling.NEAREST
+        )
+    return outputs
