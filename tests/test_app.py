@@ -1,6 +1,6 @@
 """The demo app (`examples/app.py`): it never shows a random network, writes a ready Space, answers over loopback
 through `gradio_client` for two budgets (FLOPs grow with the budget), and works in a real headless Chromium: upload
-a photo, show, move the budget slider, no error on the page, a screenshot."""
+a photo, show, move the budget slider, no error on the page, a screenshot; a text file is refused by name."""
 
 import importlib.util
 import json
@@ -172,6 +172,15 @@ def test_a_real_browser_uploads_a_photo_and_turns_the_dial(served, tmp_path):
             screenshot = Path(os.environ.get("VECA_HF_DEMO_SCREENSHOT", tmp_path / "demo.png"))
             page.screenshot(path=str(screenshot), full_page=True)
             assert PIL.Image.open(screenshot).size[0] >= 1400
+
+            # a file that is not an image: refused by name; Show without an image asks for one
+            (tmp_path / "notes.txt").write_text("not a picture")
+            other = browser.new_page()
+            other.goto(served)
+            other.set_input_files("input[type=file]", str(tmp_path / "notes.txt"))
+            expect(other.get_by_text("Invalid file type: notes.txt")).to_be_visible(timeout=30_000)
+            other.get_by_role("button", name="Show").click()
+            expect(other.get_by_text("Upload an image (JPEG, PNG or WebP)")).to_be_visible(timeout=30_000)
         finally:
             browser.close()
     assert errors == []
