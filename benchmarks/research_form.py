@@ -127,7 +127,7 @@ def build_pair(size: str, tiny: bool, seed: int) -> tuple[ResearchFormVeca, Veca
         veca_config.num_attention_heads,
         veca_config.num_hidden_layers,
         veca_config.intermediate_size,
-        veca_config.num_core_tokens,
+        veca_config.core_bank_size,
         veca_config.core_chunk_size,
         veca_config.patch_size,
     ).eval()
@@ -162,7 +162,7 @@ def build_research_code_pair(size: str, tiny: bool, seed: int, path: str) -> tup
     """The research code's model for the size (seeded, eval mode) and the `VecaModel` converted from its weights."""
     veca_config, _ = scaling.preset_configs(size, tiny, [8])
     research_settings = types.SimpleNamespace(  # the research code's config fields, at its defaults but the size
-        num_query_tokens=veca_config.num_core_tokens,
+        num_query_tokens=veca_config.core_bank_size,
         nested_chunk_size=veca_config.core_chunk_size,
         patch_size=veca_config.patch_size,
         in_channels=3,

@@ -1378,7 +1378,7 @@ def main(argv: list[str] | None = None) -> dict:
         "args": vars(args),
         "machine": machine,
         "models": {
-            "veca": {k: getattr(veca_config, k) for k in (*shared, "num_core_tokens")},
+            "veca": {k: getattr(veca_config, k) for k in (*shared, "core_bank_size")},
             "dinov3": {k: getattr(dinov3_config, k) for k in (*shared, "num_register_tokens", "use_gated_mlp")},
         },
         "gemm": {

@@ -316,7 +316,7 @@ def test_launcher_mixed_precision_is_used_unless_the_flag_is_given(workspace, tm
 
 def test_default_budgets_cover_a_custom_core_bank(workspace, tmp_path):
     """A student with 16 cores (not the presets' 64) trains with no budget flags: budgets 8 and 16."""
-    assert VecaConfig.from_pretrained(workspace / "student").num_core_tokens == 16
+    assert VecaConfig.from_pretrained(workspace / "student").core_bank_size == 16
     output_dir = tmp_path / "run"
     args = without(
         distill_args(workspace, output_dir, max_train_steps=2, checkpointing_steps=0, validation_steps=2),
