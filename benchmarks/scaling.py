@@ -411,7 +411,7 @@ def make_veca_block_inputs(
     num_patches = num_patches_for(height, width, patch_size)
     rope = VecaRopePositionEmbedding(config).to(device)
     on_meta = device.type == "meta"
-    core_coordinates = (
+    core_positions = (
         torch.empty(1, num_cores, 2, device=device)
         if on_meta
         else torch.rand(1, num_cores, 2, generator=generator).mul(2).sub(1).to(device)
@@ -419,7 +419,7 @@ def make_veca_block_inputs(
     patch_coordinates = get_patch_coordinates(
         height // patch_size, width // patch_size, dtype=torch.float32, device=device
     )  # (N, 2)
-    core_cos, core_sin = rope(core_coordinates)  # (1, C, Hd)
+    core_cos, core_sin = rope(core_positions)  # (1, C, Hd)
     patch_cos, patch_sin = rope(patch_coordinates)  # (N, Hd)
     hidden_states = _hidden_states((batch_size, num_cores + num_patches, config.hidden_size), dtype, device, generator)
     args = (hidden_states, (core_cos, core_sin), (patch_cos, patch_sin))

@@ -18,7 +18,7 @@ went from isotropic to semantic. Writes the PNG and, beside it, a JSON (shapes, 
 
 The image goes through the probes' evaluation transform (VECA's image processor at that crop). The maps
 are the model's own `output_attentions` maps averaged over heads; positions are the model's own
-`output_core_coordinates` (`veca_hf.evaluation.trace_cores`). `output_attentions` builds the `(C + N)^2` map of
+`output_core_positions` (`veca_hf.evaluation.trace_cores`). `output_attentions` builds the `(C + N)^2` map of
 every block: keep `--resolution` modest.
 """
 

@@ -23,6 +23,7 @@ from transformers import (
     AutoModelForImageClassification,
     pipeline,
 )
+from transformers.dynamic_module_utils import get_imports
 from transformers.modeling_outputs import BackboneOutput
 
 import veca_hf
@@ -359,9 +360,13 @@ def test_trust_remote_code_without_package(tmp_path):
     save_with_processor(model, folder)
 
     files = set(os.listdir(folder))
-    code = {"modeling_veca.py", "positions_veca.py", "configuration_veca.py",
-            "image_processing_veca.py", "image_processing_pil_veca.py"}  # fmt: skip
+    code = {"modeling_veca.py", "modeling_veca_dense.py", "modeling_utils_veca.py", "positions_veca.py",
+            "configuration_veca.py", "image_processing_veca.py", "image_processing_pil_veca.py"}  # fmt: skip
     assert code <= files
+    # what transformers requires of a user who loads the folder: the base install's packages only (no deepspeed)
+    base_install = {"torch", "transformers", "huggingface_hub", "numpy", "PIL"}
+    required = {module for name in files if name.endswith(".py") for module in get_imports(folder / name)}
+    assert required - set(sys.stdlib_module_names) <= base_install, required
     shipped_code = "".join((folder / name).read_text() for name in files if name.endswith(".py"))
     assert "mallopt" not in shipped_code and "ctypes" not in shipped_code  # no process-wide side effect travels
     assert {"config.json", "preprocessor_config.json", "model.safetensors"} <= files

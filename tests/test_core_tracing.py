@@ -1,5 +1,5 @@
 """Tests for core tracing (`veca_hf.evaluation.core_tracing`) and `examples/visualize_cores.py`: positions and
-attention maps come from the model's own outputs (`output_core_coordinates`, `output_attentions`)."""
+attention maps come from the model's own outputs (`output_core_positions`, `output_attentions`)."""
 
 import importlib.util
 from pathlib import Path
@@ -53,7 +53,7 @@ def test_core_positions_per_layer(moving_veca, pixel_values):
     assert positions.shape == (3, 16, 2)
     with torch.no_grad():
         outputs = moving_veca(image, num_core_tokens=16, output_hidden_states=True)
-    torch.testing.assert_close(positions[-1], outputs.core_coordinates[0], rtol=0, atol=0)
+    torch.testing.assert_close(positions[-1], outputs.core_positions[0], rtol=0, atol=0)
     # independent recomputation: block 1 uses the bank, block l + 1 moves by the head applied to block l's cores
     embeddings, encoder = moving_veca.embeddings, moving_veca.encoder
     raw = torch.cat(list(embeddings.core_coordinates[:2]))[None]  # (1, 16, 2)
@@ -70,9 +70,9 @@ def test_trace_cores_reads_the_model_outputs_of_head_models_and_refuses_others(m
     head_model.veca.load_state_dict(moving_veca.state_dict())
     with torch.no_grad():
         trace = evaluation.trace_cores(head_model, pixel_values, num_core_tokens=8, output_attentions=False)
-        outputs = moving_veca(pixel_values, num_core_tokens=8, output_core_coordinates=True)
+        outputs = moving_veca(pixel_values, num_core_tokens=8, output_core_positions=True)
     assert trace.core_positions.shape == (2, 3, 8, 2) and trace.attentions is None and trace.grid == (4, 3)
-    torch.testing.assert_close(trace.core_positions, torch.stack(outputs.all_core_coordinates, 1), rtol=0, atol=0)
+    torch.testing.assert_close(trace.core_positions, torch.stack(outputs.all_core_positions, 1), rtol=0, atol=0)
     with pytest.raises(ValueError, match="needs a VECA model"):
         evaluation.trace_cores(DINOv3ViTModel(tiny_dinov3_config()).eval(), pixel_values)
 

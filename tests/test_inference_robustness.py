@@ -5,7 +5,7 @@ Error convention, decided here: a bad *value* raises `ValueError`, including a v
 the model reads (a float, str or bool budget, a list as `pixel_values`), as `VecaConfig.check_budget` always did. The
 only `TypeError` accepted is transformers' own for processor inputs that are not images at all (`None`, an int);
 they never reach VECA code. Anything else (a RuntimeError or IndexError from inside torch, a ZeroDivisionError, an
-AssertionError) is a bug, fixed at the input checks (`check_image`, `VecaModel._check_pixel_values`,
+AssertionError) is a bug, fixed at the input checks (`check_image`, `modeling_utils_veca.check_pixel_values`,
 `VecaModel.resolve_num_core_tokens`, `VecaConfig.check_budget`).
 
 Hypothesis runs derandomized and without an example database, so CI sees the same examples on every run.
@@ -296,7 +296,7 @@ def test_model_works_or_raises_value_error(model, data, budget):
     assert outputs.last_hidden_state.shape == (batch, num_tokens, HIDDEN)
     assert outputs.last_hidden_state.dtype == torch.float32
     assert outputs.pooler_output.shape == (batch, HIDDEN)
-    assert outputs.core_coordinates.shape == (batch, num_cores, 2)
+    assert outputs.core_positions.shape == (batch, num_cores, 2)
     if not meta["nan"]:
         assert torch.isfinite(outputs.last_hidden_state).all()
     elif batch > 1:  # a NaN in image 0 stays in image 0: images never mix
@@ -329,8 +329,8 @@ def _run_job(model, job):
     (height, width), budget, batch, seed = job
     pixel_values = torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        outputs = model(pixel_values, num_core_tokens=budget, output_core_coordinates=True)
-    return outputs.last_hidden_state, outputs.all_core_coordinates
+        outputs = model(pixel_values, num_core_tokens=budget, output_core_positions=True)
+    return outputs.last_hidden_state, outputs.all_core_positions
 
 
 def test_threads_get_the_outputs_of_one_thread(model):

@@ -96,7 +96,7 @@ def max_diff_to_single_forward(model, pixel_values, pixel_mask, images, budget) 
                 worst,
                 (tokens[:budget] - reference[:budget]).abs().max().item(),
                 (patches - reference[budget:]).abs().max().item(),
-                (batch.core_coordinates[index] - single.core_coordinates[0]).abs().max().item(),
+                (batch.core_positions[index] - single.core_positions[0]).abs().max().item(),
             )
         assert torch.isfinite(batch.last_hidden_state).all()
     return worst

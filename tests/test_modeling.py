@@ -35,13 +35,13 @@ def test_output_shapes_for_every_budget_and_size(rows, cols, budget_chunks, batc
     num_tokens = num_cores + rows * cols
     assert outputs.last_hidden_state.shape == (batch_size, num_tokens, 64)
     assert outputs.pooler_output.shape == (batch_size, 64)
-    assert outputs.core_coordinates.shape == (batch_size, num_cores, 2)
+    assert outputs.core_positions.shape == (batch_size, num_cores, 2)
     assert len(outputs.hidden_states) == model.config.num_hidden_layers + 1
     assert all(h.shape == (batch_size, num_tokens, 64) for h in outputs.hidden_states)
     assert len(outputs.attentions) == model.config.num_hidden_layers
     assert all(a.shape == (batch_size, 2, num_tokens, num_tokens) for a in outputs.attentions)
     assert torch.equal(outputs.pooler_output, outputs.last_hidden_state[:, 0])
-    assert outputs.core_coordinates.abs().max() < 1
+    assert outputs.core_positions.abs().max() < 1
 
 
 def test_default_budget_is_the_bank_or_the_config_default(pixel_values):
@@ -272,7 +272,7 @@ def test_cores_move_with_the_image(pixel_values):
     with torch.no_grad():
         for head in model.encoder.core_coordinate_heads:
             head.step.fill_(0.5)
-        coordinates = model(pixel_values, num_core_tokens=8).core_coordinates
+        coordinates = model(pixel_values, num_core_tokens=8).core_positions
         start = torch.cat(list(model.embeddings.core_coordinates))[:8].tanh()
     assert not torch.allclose(coordinates[0], coordinates[1])  # image-dependent
     assert not torch.allclose(coordinates[0], start)
@@ -438,20 +438,20 @@ def test_unsupported_attention_implementations_raise(attn_implementation):
 
 
 @pytest.mark.parametrize("num_hidden_layers", [1, 3])
-def test_all_core_coordinates_are_the_positions_each_block_used(num_hidden_layers, pixel_values):
+def test_all_core_positions_are_the_positions_each_block_used(num_hidden_layers, pixel_values):
     model = make_model(num_hidden_layers=num_hidden_layers)
     with torch.no_grad():
         for head in model.encoder.core_coordinate_heads:
             head.step.fill_(0.5)  # make the cores move
-        outputs = model(pixel_values, num_core_tokens=8, output_core_coordinates=True)
+        outputs = model(pixel_values, num_core_tokens=8, output_core_positions=True)
         plain = model(pixel_values, num_core_tokens=8)
-    assert plain.all_core_coordinates is None
-    per_block = outputs.all_core_coordinates
+    assert plain.all_core_positions is None
+    per_block = outputs.all_core_positions
     assert len(per_block) == num_hidden_layers
     assert all(c.shape == (2, 8, 2) and c.abs().max() < 1 for c in per_block)
     bank = torch.cat(list(model.embeddings.core_coordinates))[:8].tanh()
     torch.testing.assert_close(per_block[0], bank.expand(2, -1, -1), rtol=0, atol=0)
-    torch.testing.assert_close(per_block[-1], outputs.core_coordinates, rtol=0, atol=0)
+    torch.testing.assert_close(per_block[-1], outputs.core_positions, rtol=0, atol=0)
     if num_hidden_layers > 1:
         assert not torch.allclose(per_block[1], per_block[0])
     # they are what RoPE rotated by: recompute block 2's input positions by hand

@@ -46,13 +46,8 @@ def _register_auto_classes() -> None:
     if is_torchvision_available():
         processors["torchvision"] = VecaImageProcessor
     AutoImageProcessor.register(VecaConfig, image_processor_classes=processors, exist_ok=True)
-    # Saved folders carry the code and an auto_map, so they also load with trust_remote_code=True.
-    VecaConfig.register_for_auto_class()
-    VecaModel.register_for_auto_class("AutoModel")
-    VecaForImageClassification.register_for_auto_class("AutoModelForImageClassification")
-    VecaBackbone.register_for_auto_class("AutoBackbone")
-    VecaForSemanticSegmentation.register_for_auto_class("AutoModelForSemanticSegmentation")
-    VecaForDepthEstimation.register_for_auto_class("AutoModelForDepthEstimation")
+    # Saved model folders carry the code and an auto_map (`VecaPreTrainedModel.save_pretrained`), so they also load
+    # with trust_remote_code=True; the processors' `save_pretrained` does the same once registered here.
     VecaImageProcessor.register_for_auto_class("AutoImageProcessor")
     VecaImageProcessorPil.register_for_auto_class("AutoImageProcessor")
 

@@ -22,7 +22,7 @@ from transformers.utils import cached_file, logging
 
 from .budgets import WeightedChoice
 from .configuration_veca import VecaConfig
-from .modeling_veca import gathered_for_init
+from .modeling_utils_veca import gathered_for_init
 
 
 logger = logging.get_logger(__name__)

@@ -349,7 +349,7 @@ def embed(model, batch: dict, num_core_tokens: int | None, patch_features: str, 
     result = {"embedding": outputs.pooler_output.float().cpu()}
     if patch_features == "none":
         return result
-    prefix = _num_prefix_tokens(model) or outputs.core_coordinates.shape[1]
+    prefix = _num_prefix_tokens(model) or outputs.core_positions.shape[1]
     patch_size = model.config.patch_size
     grid = (pixel_values.shape[2] // patch_size, pixel_values.shape[3] // patch_size)
     patches = outputs.last_hidden_state[:, prefix:].float().cpu().reshape(len(pixel_values), *grid, -1)

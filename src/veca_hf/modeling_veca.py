@@ -19,16 +19,11 @@ H heads, Hd head size, D hidden size, I SwiGLU hidden size.
 
 Where the tokens are (patch and core coordinates, the padding mask, 2D RoPE) lives in `positions_veca.py`.
 
-NOTE: this file imports only torch, transformers and its siblings `configuration_veca` and `positions_veca`
-(relatively, so `save_pretrained` copies them too), so that a saved folder loads with
-`trust_remote_code=True` where `veca_hf` is not installed (deepspeed only lazily, when it partitioned the weights).
+This file imports only torch, transformers and its siblings (relatively, so `save_pretrained` copies them too), so
+that a saved folder loads with `trust_remote_code=True` where `veca_hf` is not installed.
 """
 
-import contextlib
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -41,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import logging
 
 from .configuration_veca import VecaConfig
+from .modeling_utils_veca import check_pixel_values, gathered_for_init, save_code_and_auto_map
 from .positions_veca import (
     VecaRopePositionEmbedding,
     apply_rotary_pos_emb,
@@ -54,20 +50,6 @@ from .positions_veca import (
 
 
 logger = logging.get_logger(__name__)
-
-# Written into every saved config so the folder loads with `trust_remote_code=True` where veca_hf is not installed
-# (transformers itself records only the class that was saved).
-# NOTE: no `AutoImageProcessor` entry: a model folder need not hold a processor, and `auto_map` must name only classes
-# whose code is in the folder. The processors' own `save_pretrained` writes that entry into preprocessor_config.json,
-# naming both backends, and copies both processor files (`image_processing_pil_veca.VecaImageProcessingDefaults`).
-VECA_AUTO_MAP = {
-    "AutoConfig": "configuration_veca.VecaConfig",
-    "AutoModel": "modeling_veca.VecaModel",
-    "AutoModelForImageClassification": "modeling_veca.VecaForImageClassification",
-    "AutoBackbone": "modeling_veca.VecaBackbone",
-    "AutoModelForSemanticSegmentation": "modeling_veca_dense.VecaForSemanticSegmentation",
-    "AutoModelForDepthEstimation": "modeling_veca_dense.VecaForDepthEstimation",
-}
 
 
 @dataclass
@@ -86,12 +68,12 @@ class VecaModelOutput(BaseModelOutputWithPooling):
         attentions (`tuple(torch.FloatTensor)`, *optional*):
             Per block, the block-sparse attention map `(batch_size, num_heads, T, T)` with `T = C + N`; the
             patch-to-patch block is exactly zero. It is the map the outputs were computed from.
-        core_coordinates (`torch.FloatTensor` of shape `(batch_size, num_core_tokens, 2)`):
+        core_positions (`torch.FloatTensor` of shape `(batch_size, num_core_tokens, 2)`):
             Where the active cores sat in the last block, as `(x, y)` in `[-1, 1]^2`.
-        all_core_coordinates (`tuple(torch.FloatTensor)`, *optional*):
-            With `output_core_coordinates=True`: per block, the `(batch_size, num_core_tokens, 2)` positions `(x, y)`
+        all_core_positions (`tuple(torch.FloatTensor)`, *optional*):
+            With `output_core_positions=True`: per block, the `(batch_size, num_core_tokens, 2)` positions `(x, y)`
             in `[-1, 1]^2` (after `tanh`) that its RoPE rotated the cores by. Block 1's are the bank's (the same for
-            every image); the last equals `core_coordinates`.
+            every image); the last equals `core_positions`.
         patch_mask (`torch.BoolTensor` of shape `(batch_size, num_patches)`, *optional*):
             Only when `pixel_mask` was passed: `True` for the patches of each image, `False` for padding, in the
             row-major order of the padded grid (the order of `last_hidden_state[:, num_core_tokens:]`). Image `i`'s
@@ -99,29 +81,9 @@ class VecaModelOutput(BaseModelOutputWithPooling):
             The outputs at padded patches are finite but meaningless.
     """
 
-    core_coordinates: torch.FloatTensor | None = None
-    all_core_coordinates: tuple[torch.FloatTensor, ...] | None = None
+    core_positions: torch.FloatTensor | None = None
+    all_core_positions: tuple[torch.FloatTensor, ...] | None = None
     patch_mask: torch.BoolTensor | None = None
-
-
-def gathered_for_init(module: nn.Module) -> contextlib.AbstractContextManager:
-    """Context in which `module`'s own parameters are whole, for `_init_weights` to write them.
-
-    NOTE: under DeepSpeed ZeRO-3 (`deepspeed.zero.Init`) each rank holds only a slice of every parameter; writing the
-    initial core coordinates into a slice fails. Gather the partitioned ones, let rank 0 write and broadcast (so all
-    ranks agree), partition again on exit. Anywhere else (and for parameters already gathered, as `from_pretrained`
-    does for missing weights) this is a no-op; deepspeed is imported only when it partitioned the parameters.
-    """
-    partitioned = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    partitioned = [p for p in partitioned if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    if not partitioned:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
 
 
 class VecaPatchEmbeddings(nn.Conv2d):
@@ -406,22 +368,9 @@ class VecaPreTrainedModel(PreTrainedModel):
         return attn_implementation
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Same as [`PreTrainedModel.save_pretrained`], plus the code and an `auto_map` for `trust_remote_code`: the
-        modules `VECA_AUTO_MAP` names that sit beside this file (dense heads included) are copied; others left out."""
-        here = Path(__file__).parent
-        shipped = {key: ref for key, ref in VECA_AUTO_MAP.items() if (here / f"{ref.split('.')[0]}.py").is_file()}
-        if kwargs.get("is_main_process", True):
-            os.makedirs(save_directory, exist_ok=True)
-            for module in {ref.split(".")[0] for ref in shipped.values()}:
-                shutil.copyfile(here / f"{module}.py", Path(save_directory) / f"{module}.py")
-        # the shipped entries win, and `repo--module` entries (code from another repository, e.g. left in a
-        # config loaded from elsewhere) are dropped: a re-saved folder points `trust_remote_code` at its own code only.
-        existing = getattr(self.config, "auto_map", None) or {}
-        foreign = {key: ref for key, ref in existing.items() if "--" in str(ref)}
-        if foreign:
-            logger.warning(f"Not saving auto_map entries that point at another repository's code: {foreign}.")
-        kept = {key: ref for key, ref in existing.items() if key not in foreign}
-        self.config.auto_map = {**kept, **shipped}
+        """Same as [`PreTrainedModel.save_pretrained`], plus the code of every VECA class and an `auto_map` naming
+        them, so the folder loads with `trust_remote_code=True`."""
+        save_code_and_auto_map(self.config, save_directory, kwargs.get("is_main_process", True))
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -474,7 +423,7 @@ class VecaEncoder(nn.Module):
         rope_embeddings: VecaRopePositionEmbedding,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
-        output_core_coordinates: bool = False,
+        output_core_positions: bool = False,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple | None, tuple | None]:
         """Returns the last block's output `(B, T, D)`, its core positions `tanh(rho)` `(B or 1, C, 2)`, and the
@@ -483,7 +432,7 @@ class VecaEncoder(nn.Module):
         num_cores = core_coordinates.shape[1]
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
-        all_core_positions = () if output_core_coordinates else None
+        all_core_positions = () if output_core_positions else None
         for index, layer in enumerate(self.layer):
             if index > 0:
                 core_coordinates = self.core_coordinate_heads[index - 1](
@@ -503,7 +452,7 @@ class VecaEncoder(nn.Module):
                 all_hidden_states += (hidden_states,)
             if output_attentions:
                 all_attentions += (attn_weights,)
-            if output_core_coordinates:
+            if output_core_positions:
                 all_core_positions += (core_positions.expand(hidden_states.shape[0], -1, -1),)
         return hidden_states, core_positions, all_hidden_states, all_attentions, all_core_positions
 
@@ -533,38 +482,13 @@ class VecaModel(VecaPreTrainedModel):
                 num_core_tokens = int(num_core_tokens)
         return self.config.check_budget(num_core_tokens)
 
-    def _check_pixel_values(self, pixel_values: torch.Tensor) -> None:
-        if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
-            shape = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values)
-            raise ValueError(
-                f"pixel_values must be a tensor of shape (batch, {self.config.num_channels}, height, width), got "
-                f"{shape}. Use the image processor (AutoImageProcessor) to turn images into pixel_values."
-            )
-        batch_size, num_channels, height, width = pixel_values.shape
-        if batch_size == 0:
-            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} holds no images: the batch size must be >= 1.")
-        if pixel_values.is_complex():
-            raise ValueError(f"pixel_values has dtype {pixel_values.dtype}: pass real (float) pixel values.")
-        if num_channels != self.config.num_channels:
-            raise ValueError(
-                f"pixel_values has {num_channels} channels but the model expects config.num_channels="
-                f"{self.config.num_channels}; convert the images (e.g. to RGB) first."
-            )
-        patch_size = self.config.patch_size
-        if height % patch_size or width % patch_size or height == 0 or width == 0:
-            raise ValueError(
-                f"Image size {height}x{width} is not a positive multiple of patch_size={patch_size}: resize or crop "
-                f"to e.g. {max(patch_size, height // patch_size * patch_size)}x"
-                f"{max(patch_size, width // patch_size * patch_size)} (VECA never interpolates positions)."
-            )
-
     def forward(
         self,
         pixel_values: torch.Tensor,
         num_core_tokens: int | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        output_core_coordinates: bool = False,
+        output_core_positions: bool = False,
         return_dict: bool | None = None,
         pixel_mask: torch.Tensor | None = None,
     ) -> VecaModelOutput | tuple:
@@ -581,8 +505,8 @@ class VecaModel(VecaPreTrainedModel):
                 (whatever the attention implementation) and computes the output from it.
             output_hidden_states (`bool`, *optional*):
                 Return the embeddings and every block's output.
-            output_core_coordinates (`bool`, *optional*, defaults to `False`):
-                Return `all_core_coordinates`: per block, where its RoPE placed the cores.
+            output_core_positions (`bool`, *optional*, defaults to `False`):
+                Return `all_core_positions`: per block, where its RoPE placed the cores.
             return_dict (`bool`, *optional*):
                 Return a [`VecaModelOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
             pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
@@ -597,7 +521,7 @@ class VecaModel(VecaPreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        self._check_pixel_values(pixel_values)
+        check_pixel_values(pixel_values, self.config.num_channels, self.config.patch_size)
         num_core_tokens = self.resolve_num_core_tokens(num_core_tokens)
 
         pixel_values = pixel_values.to(self.embeddings.patch_embeddings.weight.dtype)
@@ -635,7 +559,7 @@ class VecaModel(VecaPreTrainedModel):
             self.rope_embeddings,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
-            output_core_coordinates=output_core_coordinates,
+            output_core_positions=output_core_positions,
             attention_mask=attention_mask,  # (B, 1, 1, T): 0, or the dtype's minimum at padded patches
         )
         sequence_output = self.norm(hidden_states)  # (B, T, D)
@@ -644,8 +568,8 @@ class VecaModel(VecaPreTrainedModel):
             pooler_output=sequence_output[:, 0],
             hidden_states=all_hidden_states,
             attentions=all_attentions,
-            core_coordinates=core_positions.expand(batch_size, -1, -1),
-            all_core_coordinates=all_core_positions,
+            core_positions=core_positions.expand(batch_size, -1, -1),
+            all_core_positions=all_core_positions,
             patch_mask=patch_mask.flatten(1) if patch_mask is not None else None,  # (B, N)
         )
         return output if return_dict else output.to_tuple()
@@ -772,7 +696,7 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
             return_dict=True,
             pixel_mask=pixel_mask,
         )
-        num_cores = outputs.core_coordinates.shape[1]
+        num_cores = outputs.core_positions.shape[1]
         batch_size, _, height, width = pixel_values.shape
         grid = (height // self.config.patch_size, width // self.config.patch_size)
         last_stage = len(self.stage_names) - 1

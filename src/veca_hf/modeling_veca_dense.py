@@ -87,7 +87,7 @@ class VecaDensePreTrainedModel(VecaPreTrainedModel):
             return_dict=True,
             pixel_mask=pixel_mask,
         )
-        num_cores = outputs.core_coordinates.shape[1]
+        num_cores = outputs.core_positions.shape[1]
         batch_size, _, height, width = pixel_values.shape
         patch_size = self.config.patch_size
         patches = outputs.last_hidden_state[:, num_cores:]  # (B, N, D)

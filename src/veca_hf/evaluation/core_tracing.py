@@ -2,7 +2,7 @@
 """Where VECA's cores sit and look, block by block: core positions, core-to-patch attention maps, and a drawing.
 
 `trace_cores` runs a VECA model once and returns, from the model's own outputs, where the cores sit in every block
-(`all_core_coordinates`, asked for with `output_core_coordinates=True`) and the attention maps (`attentions`);
+(`all_core_positions`, asked for with `output_core_positions=True`) and the attention maps (`attentions`);
 `core_positions_per_layer`, `core_attention_maps` and `draw_core_attention` build on it. The paper's core-attention
 view goes the other way: `patch_core_attention` is each patch's attention over the cores (the patches' call),
 `patch_core_attention_pictures` colours it with one projection per budget across blocks, and
@@ -51,9 +51,9 @@ class CoreTrace:
     Args:
         outputs (`VecaModelOutput`): the model's output.
         core_positions (`torch.Tensor` of shape `(B, L, C, 2)`):
-            Where the cores sit in each block, `(x, y)` in `[-1, 1]`: the model's `all_core_coordinates` (the
+            Where the cores sit in each block, `(x, y)` in `[-1, 1]`: the model's `all_core_positions` (the
             `tanh`ed coordinates each block's RoPE used) stacked. Block 1's are the bank's (image-independent); the
-            last equal `outputs.core_coordinates`.
+            last equal `outputs.core_positions`.
         attentions (`tuple[torch.Tensor]`, *optional*): `outputs.attentions`, L x `(B, H, T, T)`.
         grid (`tuple[int, int]`): the patch grid `(Hp, Wp)`.
     """
@@ -69,7 +69,7 @@ def trace_cores(
 ) -> CoreTrace:
     r"""
     Runs a VECA model once and returns where the cores sit in every block, and (optionally) the attention maps,
-    both read from the model's outputs (`output_core_coordinates=True`, `output_attentions=True`).
+    both read from the model's outputs (`output_core_positions=True`, `output_attentions=True`).
 
     Args:
         model (`nn.Module`): a `VecaModel` (or a VECA head model holding one).
@@ -87,10 +87,10 @@ def trace_cores(
         pixel_values,
         num_core_tokens=num_core_tokens,
         output_attentions=output_attentions,
-        output_core_coordinates=True,
+        output_core_positions=True,
         return_dict=True,
     )
-    positions = torch.stack(outputs.all_core_coordinates, dim=1)  # L x (B, C, 2) -> (B, L, C, 2)
+    positions = torch.stack(outputs.all_core_positions, dim=1)  # L x (B, C, 2) -> (B, L, C, 2)
     patch_size = veca.config.patch_size
     grid = (pixel_values.shape[2] // patch_size, pixel_values.shape[3] // patch_size)
     return CoreTrace(outputs, positions, outputs.attentions if output_attentions else None, grid)
@@ -110,7 +110,7 @@ def core_positions_per_layer(
 ) -> torch.Tensor:
     r"""
     Where the cores sit in each block for one image: `(L, C, 2)` as `(x, y)` in `[-1, 1]`; the last row equals the
-    model's `core_coordinates`.
+    model's `core_positions`.
 
     Args:
         model (`nn.Module`): a `VecaModel`.

@@ -114,7 +114,7 @@ def extract_features(
     grid = (height // config.patch_size, width // config.patch_size)
     if config.model_type == "veca":
         outputs = _bare_model(model)(pixel_values, num_core_tokens=num_core_tokens, return_dict=True)
-        num_prefix = outputs.core_coordinates.shape[1]
+        num_prefix = outputs.core_positions.shape[1]
     else:
         if num_core_tokens is not None:
             raise ValueError(f"num_core_tokens only applies to VECA models, not to {config.model_type}.")
