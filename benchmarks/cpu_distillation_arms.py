@@ -3,10 +3,11 @@
 """Why does a distilled VECA trail a dense student of the same size at CPU scale? Configurations that tell depth,
 recipe and training length apart, each distilled with one or more seeds.
 
-Every run (a configuration and a seed) distils a VECA and its dense control (`examples/distill.py --student_type
-dense`: the same stream, steps and loss; only the attention pattern differs) from the same teacher on the pool of
-`cpu_distillation_study.py` (65,000 images: Fashion-MNIST's training set and crops of real photos), with patch-14
-students. A seed changes the initialisation and the data order; the pool, the probes and the bootstrap stay.
+Every run (a configuration and a seed) distils a VECA and its dense control (`examples/distill.py` with a
+`dense_student_config` as `--student_config`: the same stream, steps and loss; only the attention pattern differs)
+from the same teacher on the pool of `cpu_distillation_study.py` (65,000 images: Fashion-MNIST's training set and
+crops of real photos), with patch-14 students. A seed changes the initialisation and the data order; the pool, the
+probes and the bootstrap stay.
 
 - `4x384-adamw`: 4 blocks of width 384, AdamW, random patch embedding (the baseline);
 - `12x192-adamw`: 12 blocks of width 192 (3 heads of 64, MLP 512; the loss projects to the teacher's 384);

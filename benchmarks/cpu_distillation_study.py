@@ -8,9 +8,10 @@ defaults). One reproducible run of the example scripts:
 1. data: Fashion-MNIST's 60,000 training images (28 x 28, labels unused) and random crops of real photos, mixed and
    written once as parquet shards (several, so that workers stream whole files); a validation shard of held-out
    Fashion-MNIST test images and crops of held-out photos;
-2. `examples/distill.py --student_type veca`: a small VECA distilled from a real pretrained DINOv2-S/14 on that
+2. `examples/distill.py`: a small VECA distilled from a real pretrained DINOv2-S/14 on that
    stream, with nested budgets;
-3. `examples/distill.py --student_type dense`: a `DINOv3ViTModel` of the same width, depth and MLP: same stream
+3. `examples/distill.py --student_config <dense_student_config>`: a `DINOv3ViTModel` of the same width, depth
+   and MLP: same stream
    (seeded: the same images, crops and order), steps and loss;
 4. a randomly initialised VECA of the same size (the floor);
 5. `examples/linear_probe.py`: a linear probe and a k-NN classifier on the global feature (Fashion-MNIST, thousands
@@ -224,10 +225,21 @@ def forwarded(args: StudyArguments, *names: str) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
-def distill_command(args: StudyArguments, teacher: str, data_dir: Path, student_type: str, output_dir: Path) -> list:
+def distill_command(args: StudyArguments, teacher: str, data_dir: Path, kind: str, output_dir: Path) -> list:
+    """`examples/distill.py`'s command for the `"veca"` student or its `"dense"` control. The control's config
+    (`dense_student_config` of the VECA size) is written to `output_dir/student_config.json`."""
+    if kind == "dense":
+        from veca_hf.distillation import build_student_config, dense_student_config
+
+        config_path = output_dir / "student_config.json"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        veca_config = build_student_config(None, args.student_preset, args.student_overrides)
+        dense_student_config(veca_config).to_json_file(config_path)
+        student = dict(student_config=str(config_path))
+    else:
+        student = forwarded(args, "student_preset", "student_overrides")
     flags = dict(
         teacher_name_or_path=teacher,
-        student_type=student_type,
         dataset_name=str(data_dir),
         validation_split="validation",
         min_image_size=28,
@@ -240,10 +252,11 @@ def distill_command(args: StudyArguments, teacher: str, data_dir: Path, student_
         model_card_latency=False,
         # The study's students start from random weights (distill.py's default copies a matching teacher patch conv).
         init_patch_embeddings_from_teacher="no",
+        **student,
         **forwarded(
-            args, "student_preset", "student_overrides", "budgets", "budget_weights", "resolution",
-            "shuffle_buffer_size", "dataloader_num_workers", "per_device_train_batch_size", "max_train_steps",
-            "learning_rate", "min_learning_rate", "warmup_steps", "checkpointing_steps", "seed",
+            args, "budgets", "budget_weights", "resolution", "shuffle_buffer_size", "dataloader_num_workers",
+            "per_device_train_batch_size", "max_train_steps", "learning_rate", "min_learning_rate", "warmup_steps",
+            "checkpointing_steps", "seed",
         ),
     )  # fmt: skip
     # NOTE: no --allow_teacher_fallback: `teacher` was resolved once in `main` (a folder, or a Hub id that loads), so

@@ -26,9 +26,9 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import AutoModel, DINOv3ViTModel, HfArgumentParser
+from transformers import AutoModel, HfArgumentParser
 
-from veca_hf import VecaConfig, VecaImageProcessor, VecaModel
+from veca_hf import VecaImageProcessor
 from veca_hf.arguments import parse_args_with_file, redact_secrets
 from veca_hf.budgets import BudgetSampler, SampledBudgetArguments, training_budgets
 from veca_hf.checkpointing import (
@@ -56,10 +56,9 @@ from veca_hf.distillation import (
     ResolutionSchedule,
     StudentWithLoss,
     before_after_table,
-    build_student_config,
+    build_student,
     check_teacher_student,
     compute_teacher_targets,
-    dense_student_config,
     init_patch_embeddings_from_teacher,
     teacher_autocast_dtype,
     teacher_normalization,
@@ -109,17 +108,15 @@ class ModelArguments:
         default=None, metadata={"help": "veca-s16 | veca-splus16 | veca-b16 | veca-l16 (default veca-b16)."}
     )
     student_config: str | None = field(
-        default=None, metadata={"help": "A VecaConfig JSON file or folder; overrides --student_preset."}
+        default=None,
+        metadata={
+            "help": "A config JSON file or folder; overrides --student_preset. A VecaConfig trains VECA; a "
+            "DINOv3ViTConfig (veca_hf.distillation.dense_student_config) trains the dense control, without budgets."
+        },
     )
     student_overrides: str | None = field(
         default=None,
         metadata={"help": "JSON dict of VecaConfig fields to override, e.g. '{\"num_hidden_layers\": 6}'."},
-    )
-    student_type: str = field(
-        default="veca",
-        metadata={
-            "help": "veca | dense: a DINOv3ViTModel of the same size (the attention-pattern control; no budgets)."
-        },
     )
     student_name_or_path: str | None = field(
         default=None,
@@ -265,44 +262,6 @@ def build_accelerator(args: DistillationArguments, output_dir: Path) -> Accelera
     )
 
 
-def build_student(model_args: ModelArguments) -> tuple[torch.nn.Module, VecaConfig]:
-    """The student (`VecaModel`, or the dense `DINOv3ViTModel` control) and the VecaConfig its size comes from:
-    random weights from a preset / config (+ overrides), or the weights of `--student_name_or_path`."""
-    if model_args.student_type not in ("veca", "dense"):
-        raise ValueError(f"--student_type {model_args.student_type!r} is not one of 'veca', 'dense'.")
-    if model_args.student_name_or_path:
-        given = [
-            f"--{name}"
-            for name in ("student_config", "student_preset", "student_overrides")
-            if getattr(model_args, name)
-        ]
-        if given:
-            raise ValueError(
-                f"--student_name_or_path {model_args.student_name_or_path} brings its own config; drop "
-                f"{', '.join(given)} (or train from a config without --student_name_or_path)."
-            )
-        student_class = VecaModel if model_args.student_type == "veca" else DINOv3ViTModel
-        student = student_class.from_pretrained(model_args.student_name_or_path)
-        if model_args.student_type == "dense":  # the size the dense student was built from, as a VecaConfig
-            fields = {
-                k: getattr(student.config, k)
-                for k in (
-                    "hidden_size",
-                    "num_hidden_layers",
-                    "num_attention_heads",
-                    "intermediate_size",
-                    "patch_size",
-                    "num_channels",
-                )
-            }
-            return student, VecaConfig(**fields)
-        return student, student.config
-    config = build_student_config(model_args.student_config, model_args.student_preset, model_args.student_overrides)
-    if model_args.student_type == "veca":
-        return VecaModel(config), config
-    return DINOv3ViTModel(dense_student_config(config)), config
-
-
 def budget_label(budget: int | None) -> str:
     return "dense" if budget is None else str(budget)
 
@@ -333,11 +292,22 @@ class Teacher:
 
 @dataclass
 class Budgets:
-    """The budgets a run trains and validates at; a dense control student has one, `None`."""
+    """The budgets a run trains and validates at. The dense control has no budget dial: one "budget", `None`,
+    validated and reported as "dense"."""
 
     values: list
-    weights: list | None
-    sampler: Callable[[int], int | None]
+    weights: list | None = None
+    sampler: BudgetSampler | None = None
+
+    @classmethod
+    def for_student(cls, student: torch.nn.Module, args) -> "Budgets":
+        if student.config.model_type != "veca":
+            return cls([None])
+        values, weights = training_budgets(student.config, args.budgets, args.budget_weights)
+        return cls(values, weights, BudgetSampler(values, weights, seed=args.seed))
+
+    def at(self, step: int) -> int | None:
+        return None if self.sampler is None else self.sampler(step)
 
 
 @dataclass
@@ -387,13 +357,12 @@ def load_teacher(accelerator: Accelerator, model_args: ModelArguments, args) -> 
 
 
 def build_model(model_args: ModelArguments, args, teacher: torch.nn.Module):
-    """The student with its loss in one module, the VecaConfig of its size, and the budgets it trains at."""
-    student, student_config = build_student(model_args)
-    if model_args.student_type == "veca":
-        values, weights = training_budgets(student_config, args.budgets, args.budget_weights)
-        budgets = Budgets(values, weights, BudgetSampler(values, weights, seed=args.seed))
-    else:  # dense: no budget; one "budget" None, validated and reported as "dense"
-        budgets = Budgets([None], None, lambda step: None)
+    """The student with its loss in one module, its config, and the budgets it trains at."""
+    student = build_student(
+        model_args.student_name_or_path, model_args.student_config, model_args.student_preset,
+        model_args.student_overrides,
+    )  # fmt: skip
+    budgets = Budgets.for_student(student, args)
     # Starting from saved weights, `auto` keeps their patch embedding; `yes` replaces it.
     patch_init = model_args.init_patch_embeddings_from_teacher
     if model_args.student_name_or_path and patch_init == "auto":
@@ -403,10 +372,10 @@ def build_model(model_args: ModelArguments, args, teacher: torch.nn.Module):
     if args.gradient_checkpointing:
         student.activation_checkpointing_enable()
     criterion = DistillationLoss(
-        student_config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight
+        student.config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight
     )
     model = StudentWithLoss(student, criterion).train()
-    return model, student_config, budgets
+    return model, student.config, budgets
 
 
 def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_transform, validation_resolution):
@@ -575,7 +544,7 @@ def train(
     validation_results = None
     guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
     while progress.step < args.max_train_steps:
-        budget, resolution = budgets.sampler(progress.step), resolutions(progress.step)
+        budget, resolution = budgets.at(progress.step), resolutions(progress.step)
         step_start, teacher_time, step_images, logs, loss_finite = time.perf_counter(), 0.0, 0, {}, True
         for _ in range(args.gradient_accumulation_steps):
             batch = next(batches)
@@ -798,7 +767,7 @@ def write_summary_and_card(
         "skipped_images": progress.skipped,
         "nonfinite_steps": guard.nonfinite_steps,
         "skipped_validation_images": held_out.skipped,
-        "student_type": model_args.student_type,
+        "student_model_type": accelerator.unwrap_model(model).student.config.model_type,
         "validation": {budget_label(b): r for b, r in (validation_results or {}).items()},
         "validation_history": progress.validation_history,
     }
@@ -815,7 +784,7 @@ def write_summary_and_card(
             f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
             "or train longer and larger (docs/training.md)."
         )
-    if model_args.student_type == "veca":
+    if budgets.sampler is not None:  # a VECA student (the dense control gets no card)
         ds_plugin = accelerator.state.deepspeed_plugin
         zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
         write_model_card(

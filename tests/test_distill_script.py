@@ -16,7 +16,7 @@ from conftest import tiny_config, tiny_dinov3_config
 from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel
+from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel, ViTConfig
 
 from veca_hf import VecaConfig, VecaModel
 from veca_hf.distillation import dense_student_config
@@ -272,13 +272,19 @@ def test_hub_model_id_without_push_to_hub_is_refused_before_any_work(workspace, 
 
 
 def test_dense_student_sees_the_same_data_and_saves_a_dinov3_model(workspace, tmp_path):
-    """The attention-pattern control: same stream, steps and loss as VECA, a `DINOv3ViTModel` saved at the end."""
+    """The attention-pattern control, chosen by its config: same stream, steps and loss as VECA, a `DINOv3ViTModel`
+    saved at the end."""
     common = dict(log_sample_sources="true", max_train_steps=3, checkpointing_steps=0, validation_steps=3)
     run_distill(distill_args(workspace, tmp_path / "veca", **common))
-    result = run_distill(distill_args(workspace, tmp_path / "dense", student_type="dense", **common))
+    dense_config = dense_student_config(VecaConfig.from_pretrained(workspace / "student"))
+    dense_config.save_pretrained(tmp_path / "dense-config")
+    result = run_distill(
+        distill_args(workspace, tmp_path / "dense", student_config=tmp_path / "dense-config", **common)
+    )
     assert "| dense |" in result.stdout
     summary = json.loads((tmp_path / "dense" / "distill_results.json").read_text())
-    assert summary["student_type"] == "dense" and set(summary["validation"]) == {"dense"}
+    assert summary["student_model_type"] == "dinov3_vit" and set(summary["validation"]) == {"dense"}
+    assert not (tmp_path / "dense" / "README.md").exists()  # no VECA model card for the control
     model = AutoModel.from_pretrained(tmp_path / "dense")
     assert isinstance(model, DINOv3ViTModel)
     assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2 and model.config.use_gated_mlp
@@ -286,11 +292,15 @@ def test_dense_student_sees_the_same_data_and_saves_a_dinov3_model(workspace, tm
     assert sources[0] == sources[1] and len(sources[0].splitlines()) == 3 * 4
 
 
-def test_unknown_student_type_fails_with_a_clear_message(workspace, tmp_path):
-    command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "bad", student_type="convnet")
+def test_a_student_config_of_another_model_fails_with_a_clear_message(workspace, tmp_path):
+    ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path / "vit")
+    command = [sys.executable, str(SCRIPT)] + distill_args(
+        workspace, tmp_path / "bad", student_config=tmp_path / "vit"
+    )
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
     assert result.returncode != 0
-    assert "--student_type 'convnet' is not one of 'veca', 'dense'" in result.stderr
+    assert f"The student {tmp_path / 'vit'} is a 'vit' model" in result.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
 def without(args: list[str], *flags: str) -> list[str]:
@@ -450,8 +460,8 @@ def test_start_from_a_saved_student(workspace, tmp_path):
     assert result.returncode != 0 and "brings its own config; drop --student_config" in result.stderr
     # the dense control too
     DINOv3ViTModel(dense_student_config(tiny_config())).save_pretrained(tmp_path / "dense-stage1")
-    run_distill(args + ["--student_name_or_path", str(tmp_path / "dense-stage1"), "--student_type", "dense",
-                                     "--output_dir", str(tmp_path / "dense-stage2")])  # fmt: skip
+    run_distill(args + ["--student_name_or_path", str(tmp_path / "dense-stage1"),
+                        "--output_dir", str(tmp_path / "dense-stage2")])  # fmt: skip
     before = load_file(tmp_path / "dense-stage1" / "model.safetensors")
     after = load_file(tmp_path / "dense-stage2" / "model.safetensors")
     assert all(torch.equal(before[key], after[key]) for key in before)

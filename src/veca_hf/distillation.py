@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import DINOv3ViTConfig
+from transformers import AutoConfig, AutoModel, DINOv3ViTConfig, DINOv3ViTModel
 from transformers.utils import cached_file, logging
 
 from .budgets import WeightedChoice
 from .configuration_veca import VecaConfig
 from .modeling_utils_veca import gathered_for_init
+from .modeling_veca import VecaModel
 
 
 logger = logging.get_logger(__name__)
@@ -455,6 +456,52 @@ def build_student_config(
     return VecaConfig(**{**values, **overrides})
 
 
+def build_student(
+    student_name_or_path: str | None = None,
+    student_config: str | None = None,
+    student_preset: str | None = None,
+    student_overrides: str | dict | None = None,
+) -> nn.Module:
+    """The student to distil: the saved model at `student_name_or_path`, or random weights from a config.
+
+    The config decides the model: a VECA config (a preset, a saved `VecaConfig`, with `student_overrides`) gives a
+    `VecaModel`; a saved `DINOv3ViTConfig` (e.g. `dense_student_config`'s, the attention-pattern control) gives a
+    `DINOv3ViTModel`, trained without budgets. Anything else is a `ValueError`: the loss reads VECA's or DINOv3's
+    token layout.
+    """
+    if student_name_or_path:
+        given = {"--student_config": student_config, "--student_preset": student_preset,
+                 "--student_overrides": student_overrides}  # fmt: skip
+        if any(given.values()):
+            raise ValueError(
+                f"--student_name_or_path {student_name_or_path} brings its own config; drop "
+                f"{', '.join(flag for flag, value in given.items() if value)} (or train from a config without "
+                "--student_name_or_path)."
+            )
+        model_type = AutoConfig.from_pretrained(student_name_or_path).model_type
+        _check_student_model_type(model_type, student_name_or_path)
+        return AutoModel.from_pretrained(student_name_or_path)
+    if student_config:
+        config = AutoConfig.from_pretrained(student_config)
+        _check_student_model_type(config.model_type, student_config)
+        if config.model_type != "veca":
+            if student_preset or student_overrides:
+                raise ValueError(
+                    f"--student_config {student_config} is a {config.model_type} config: --student_preset and "
+                    "--student_overrides apply to VECA configs only; edit the config file instead."
+                )
+            return DINOv3ViTModel(config)
+    return VecaModel(build_student_config(student_config, student_preset, student_overrides))
+
+
+def _check_student_model_type(model_type: str, source: str) -> None:
+    if model_type not in ("veca", "dinov3_vit"):
+        raise ValueError(
+            f"The student {source} is a {model_type!r} model; distillation trains a VECA student ('veca') or its "
+            "dense control ('dinov3_vit', see veca_hf.distillation.dense_student_config)."
+        )
+
+
 def teacher_autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
     """The teacher's autocast dtype for `name` (`"auto"`: bf16 on GPU, none (fp32) elsewhere; `"bf16"`, `"fp16"`,
     `"fp32"`)."""
@@ -539,6 +586,7 @@ __all__ = [
     "StudentWithLoss",
     "TeacherTargets",
     "before_after_table",
+    "build_student",
     "build_student_config",
     "check_teacher_student",
     "compute_teacher_targets",
