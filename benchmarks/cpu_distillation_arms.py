@@ -153,7 +153,7 @@ def load_student(path: Path, device: str = "cpu"):
     from safetensors.torch import load_file
 
     from veca_hf import evaluation
-    from veca_hf.distillation import PROJECTION_FILE
+    from veca_hf.training.distillation import PROJECTION_FILE
 
     model = evaluation.ProbeModel(str(path), device=device)
     projection = None

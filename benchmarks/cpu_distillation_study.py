@@ -229,7 +229,7 @@ def distill_command(args: StudyArguments, teacher: str, data_dir: Path, kind: st
     """`examples/distill.py`'s command for the `"veca"` student or its `"dense"` control. The control's config
     (`dense_student_config` of the VECA size) is written to `output_dir/student_config.json`."""
     if kind == "dense":
-        from veca_hf.distillation import build_student_config, dense_student_config
+        from veca_hf.training.distillation import build_student_config, dense_student_config
 
         config_path = output_dir / "student_config.json"
         output_dir.mkdir(parents=True, exist_ok=True)

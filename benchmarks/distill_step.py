@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from veca_hf import VecaModel
-from veca_hf.distillation import (
+from veca_hf.training.distillation import (
     DistillationLoss,
     StudentWithLoss,
     compute_teacher_targets,
     dense_student_config,
 )
-from veca_hf.optimization import get_parameter_groups
+from veca_hf.training.optimization import get_parameter_groups
 
 
 DENSE = "dense"

@@ -46,7 +46,7 @@ import common  # first: the offline Hub defaults, and veca_hf from a source chec
 MIB = 2**20
 GIB = 2**30
 MODELS = ("DINOv3", "VECA")
-PRELOAD = ["torch", "transformers", "veca_hf", "veca_hf.distillation", "transformers.models.dinov3_vit"]
+PRELOAD = ["torch", "transformers", "veca_hf", "veca_hf.training.distillation", "transformers.models.dinov3_vit"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,8 +117,8 @@ def build_point(spec: dict[str, Any]):
     import scaling
 
     from veca_hf import VecaModel
-    from veca_hf.distillation import DistillationLoss, StudentWithLoss, dense_student_config
-    from veca_hf.optimization import get_parameter_groups
+    from veca_hf.training.distillation import DistillationLoss, StudentWithLoss, dense_student_config
+    from veca_hf.training.optimization import get_parameter_groups
 
     args = scaling.parse_args(
         ["--size", spec["size"], "--budgets", str(spec["budget"]),

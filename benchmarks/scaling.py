@@ -59,7 +59,7 @@ Modes:
 - `both`: the two, one after the other.
 - `train`: one training step of the student alone (`StudentWithLoss` with `DistillationLoss` against fixed random
   targets, backward, AdamW unless `--no_optimizer_step`), VECA at each budget vs the dense student of
-  `veca_hf.distillation.dense_student_config` (reported under the name DINOv3). FLOPs: forward + backward,
+  `veca_hf.training.distillation.dense_student_config` (reported under the name DINOv3). FLOPs: forward + backward,
   analytic `3 F - patch embedding` (`veca_hf.flops.veca_training_flops`), counted likewise. The training targets
   (`train_targets` in the JSON, MET / NOT MET in the output): VECA/dense step time at most the training FLOP ratio +
   0.03 at 512 and 768 px, and the step at the smallest budget no slower than at the largest (paired ratios).
@@ -108,11 +108,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from veca_hf import VecaConfig, VecaModel
-from veca_hf.distillation import (
-    DistillationLoss,
-    StudentWithLoss,
-    dense_student_config,
-)
 from veca_hf.flops import (
     attention_block_flops,
     count_flops,
@@ -125,12 +120,17 @@ from veca_hf.flops import (
 )
 from veca_hf.hardware import cpu_bf16_support, cpu_model
 from veca_hf.inference import cpu_inference_buffers
-from veca_hf.modeling_veca import (
+from veca_hf.model.modeling_veca import (
     VecaCorePeripheryAttention,
     VecaRopePositionEmbedding,
     get_patch_coordinates,
 )
-from veca_hf.optimization import get_parameter_groups
+from veca_hf.training.distillation import (
+    DistillationLoss,
+    StudentWithLoss,
+    dense_student_config,
+)
+from veca_hf.training.optimization import get_parameter_groups
 
 
 DINOV3 = "DINOv3"
@@ -1339,9 +1339,9 @@ def main(argv: list[str] | None = None) -> dict:
         notes.append(
             "Train mode: one step of the student alone (StudentWithLoss with DistillationLoss against fixed random "
             "targets, backward, " + ("no optimiser step" if args.no_optimizer_step else "AdamW step") + "), VECA vs "
-            "the dense student of veca_hf.distillation.dense_student_config (DINOv3ViTModel, same width, depth and "
-            "SwiGLU MLP, CLS, no registers), both in train mode. Training FLOPs: analytic 3 x forward - patch "
-            "embedding (its input needs no gradient), which is what the counter measures; the optimiser step "
+            "the dense student of veca_hf.training.distillation.dense_student_config (DINOv3ViTModel, same width, "
+            "depth and SwiGLU MLP, CLS, no registers), both in train mode. Training FLOPs: analytic 3 x forward - "
+            "patch embedding (its input needs no gradient), which is what the counter measures; the optimiser step "
             "and the loss are elementwise and not counted. The attention share is that of the forward's attention "
             "modules in the whole step."
         )

@@ -31,12 +31,6 @@ from transformers import AutoModel, HfArgumentParser
 from veca_hf import VecaImageProcessor
 from veca_hf.arguments import parse_args_with_file, redact_secrets
 from veca_hf.budgets import BudgetSampler, SampledBudgetArguments, training_budgets
-from veca_hf.checkpointing import (
-    checkpoint_steps,
-    load_checkpoint,
-    resolve_resume_path_on_all_ranks,
-    save_checkpoint,
-)
 from veca_hf.data import (
     ImageStream,
     StreamRetries,
@@ -50,7 +44,15 @@ from veca_hf.data import (
     parse_storage_options,
     resize_batch,
 )
-from veca_hf.distillation import (
+from veca_hf.hub import resolve_teacher_on_all_ranks
+from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
+from veca_hf.training.checkpointing import (
+    checkpoint_steps,
+    load_checkpoint,
+    resolve_resume_path_on_all_ranks,
+    save_checkpoint,
+)
+from veca_hf.training.distillation import (
     PROJECTION_FILE,
     DistillationLoss,
     ResolutionSchedule,
@@ -65,15 +67,13 @@ from veca_hf.distillation import (
     transform_normalization,
     validation_losses,
 )
-from veca_hf.faults import (
+from veca_hf.training.faults import (
     PREEMPTED_EXIT_CODE,
     StepGuard,
     ignore_sigterm,
     replicas_agree,
 )
-from veca_hf.hub import resolve_teacher_on_all_ranks
-from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
-from veca_hf.optimization import (
+from veca_hf.training.optimization import (
     build_optimizer,
     check_optimizer_backend,
     cosine_schedule_with_warmup,
@@ -111,7 +111,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "A config JSON file or folder; overrides --student_preset. A VecaConfig trains VECA; a "
-            "DINOv3ViTConfig (veca_hf.distillation.dense_student_config) trains the dense control, without budgets."
+            "DINOv3ViTConfig (veca_hf.training.distillation.dense_student_config) trains the dense control, without "
+            "budgets."
         },
     )
     student_overrides: str | None = field(

@@ -41,7 +41,7 @@ from veca_hf.budgets import (
 )
 from veca_hf.data import build_transform
 from veca_hf.metrics import load_metric
-from veca_hf.training import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
+from veca_hf.training.trainer import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
 
 
 logger = logging.getLogger(__name__)

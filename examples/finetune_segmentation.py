@@ -54,7 +54,7 @@ from veca_hf.dense import (
     freeze_backbone,
     resolve_id2label,
 )
-from veca_hf.training import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
+from veca_hf.training.trainer import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
 
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Driver for tests/test_deepspeed.py (run under torchrun): a tiny model under Accelerate + DeepSpeed ZeRO-2/3 on the
-CPU takes a step, is checkpointed with `veca_hf.checkpointing.save_checkpoint` and restored with `load_checkpoint`
-(every torch.load forced to weights_only=True); then a code-running pickle planted in the optimiser state file
-(manifest rewritten) is refused by name and never runs. Writes `result.json`."""
+CPU takes a step, is checkpointed with `veca_hf.training.checkpointing.save_checkpoint` and restored with
+`load_checkpoint` (every torch.load forced to weights_only=True); then a code-running pickle planted in the optimiser
+state file (manifest rewritten) is refused by name and never runs. Writes `result.json`."""
 
 import argparse
 import json
@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 
-from veca_hf.checkpointing import UnsafeCheckpointError, load_checkpoint, save_checkpoint, write_manifest
+from veca_hf.training.checkpointing import UnsafeCheckpointError, load_checkpoint, save_checkpoint, write_manifest
 
 
 class RunsCode:

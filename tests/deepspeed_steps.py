@@ -24,7 +24,7 @@ from conftest import tiny_config, tiny_dinov3_config  # noqa: E402
 from transformers import DINOv3ViTModel  # noqa: E402
 
 from veca_hf import VecaModel  # noqa: E402
-from veca_hf.distillation import init_patch_embeddings_from_teacher  # noqa: E402
+from veca_hf.training.distillation import init_patch_embeddings_from_teacher  # noqa: E402
 
 
 BUDGETS = (8, 16, 32)

@@ -9,7 +9,7 @@ import pytest
 from transformers import HfArgumentParser
 
 from veca_hf.arguments import parse_args_with_file
-from veca_hf.distillation import PAPER_STAGE2_RESOLUTION_SCHEDULE
+from veca_hf.training.distillation import PAPER_STAGE2_RESOLUTION_SCHEDULE
 
 
 ROOT = Path(__file__).parent.parent
@@ -114,7 +114,7 @@ def test_distill_script_reads_nulls_from_its_file(tmp_path):
 def test_every_example_loads_files_with_the_package_loader():
     import inspect
 
-    from veca_hf.training import parse_finetuning_args
+    from veca_hf.training.trainer import parse_finetuning_args
 
     assert "parse_args_with_file(" in inspect.getsource(parse_finetuning_args)
     for name in ("distill", "finetune_classification", "finetune_segmentation", "finetune_depth", "linear_probe"):

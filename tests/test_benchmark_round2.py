@@ -59,8 +59,8 @@ def train_run(tmp_path_factory):
 def test_train_mode_counts_training_flops(train_run):
     result, stdout = train_run
     from veca_hf import VecaConfig
-    from veca_hf.distillation import dense_student_config
     from veca_hf.flops import dinov3_model_flops, patch_embedding_flops, veca_model_flops
+    from veca_hf.training.distillation import dense_student_config
 
     sys.path.insert(0, str(BENCHMARKS))
     try:
@@ -117,8 +117,8 @@ def test_counted_training_flops_equal_three_forwards_minus_patch_embedding(budge
     from transformers import DINOv3ViTModel
 
     from veca_hf import VecaConfig, VecaModel
-    from veca_hf.distillation import DistillationLoss, StudentWithLoss, dense_student_config
     from veca_hf.flops import count_training_flops, dinov3_training_flops, veca_training_flops
+    from veca_hf.training.distillation import DistillationLoss, StudentWithLoss, dense_student_config
 
     config = VecaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170,
                         core_bank_size=16, core_chunk_size=8)  # fmt: skip

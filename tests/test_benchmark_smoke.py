@@ -145,7 +145,7 @@ def test_block_inputs_match_paper_table_on_meta():
         sys.path.remove(str(SCRIPT.parent))
     from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTAttention
 
-    from veca_hf.modeling_veca import VecaCorePeripheryAttention
+    from veca_hf.model.modeling_veca import VecaCorePeripheryAttention
 
     args = scaling.parse_args(["--size", "veca-b16", "--output_dir", "unused"])
     veca_config, dinov3_config = scaling.build_configs(args)

@@ -1,6 +1,6 @@
-"""Checkpoints that survive faults (`veca_hf.checkpointing`), each fault injected: a damaged latest checkpoint, a full
-disk while saving, non-finite state, a save killed mid-way, a file replaced by code-running pickle, another process
-count. A real single-process `Accelerator` on a tiny linear model.
+"""Checkpoints that survive faults (`veca_hf.training.checkpointing`), each fault injected: a damaged latest
+checkpoint, a full disk while saving, non-finite state, a save killed mid-way, a file replaced by code-running pickle,
+another process count. A real single-process `Accelerator` on a tiny linear model.
 """
 
 import errno
@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import prepared_linear
 
-from veca_hf.checkpointing import (
+from veca_hf.training.checkpointing import (
     MANIFEST_NAME,
     UnsafeCheckpointError,
     checkpoint_problem,

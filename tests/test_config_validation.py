@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from veca_hf import VecaConfig, VecaModel
-from veca_hf.distillation import build_student_config
+from veca_hf.training.distillation import build_student_config
 
 
 @pytest.mark.parametrize(

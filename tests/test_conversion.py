@@ -11,7 +11,7 @@ from reference_veca import ReferenceVeca
 from safetensors.torch import load_file
 
 from veca_hf import VecaImageProcessor, VecaModel
-from veca_hf.convert_veca_original import convert_checkpoint, convert_state_dict, infer_config, main
+from veca_hf.model.convert_veca_original import convert_checkpoint, convert_state_dict, infer_config, main
 
 
 def perturbed_reference(seed: int = 0, **sizes) -> ReferenceVeca:
@@ -69,7 +69,7 @@ def test_cli_writes_a_complete_folder(tmp_path):
         [
             sys.executable,
             "-m",
-            "veca_hf.convert_veca_original",
+            "veca_hf.model.convert_veca_original",
             "--checkpoint",
             str(FIXTURES / "tiny_reference.pth"),
             "--output-dir",

@@ -36,8 +36,8 @@ from veca_hf.data import (
     resume_plan,
 )
 from veca_hf.data.resume import POSITION_COLUMN, ParquetResume, parquet_files_of
-from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
-from veca_hf.image_processing_veca import VecaImageProcessor
+from veca_hf.model.image_processing_pil_veca import VecaImageProcessorPil
+from veca_hf.model.image_processing_veca import VecaImageProcessor
 
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)

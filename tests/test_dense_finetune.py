@@ -45,7 +45,7 @@ from veca_hf.dense import (
     resolve_id2label,
 )
 from veca_hf.metrics import compute_metric
-from veca_hf.training import VecaTrainer, evaluate_budgets
+from veca_hf.training.trainer import VecaTrainer, evaluate_budgets
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel, ViTConfig
 
 from veca_hf import VecaConfig, VecaModel
-from veca_hf.distillation import dense_student_config
+from veca_hf.training.distillation import dense_student_config
 
 
 ROOT = Path(__file__).parent.parent
@@ -234,7 +234,7 @@ def test_resume_never_runs_code_planted_in_a_checkpoint(workspace, tmp_path):
     itself is JSON in training_state.json."""
     import pickle
 
-    from veca_hf.checkpointing import write_manifest
+    from veca_hf.training.checkpointing import write_manifest
 
     output_dir = tmp_path / "planted"
     run_distill(distill_args(workspace, output_dir, max_train_steps=2))

@@ -16,7 +16,7 @@ from veca_hf.budgets import (
     paper_budget_weights,
     training_budgets,
 )
-from veca_hf.distillation import (
+from veca_hf.training.distillation import (
     PAPER_STAGE2_RESOLUTION_SCHEDULE,
     DistillationLoss,
     ResolutionSchedule,
@@ -30,7 +30,7 @@ from veca_hf.distillation import (
     teacher_image_size,
     validation_losses,
 )
-from veca_hf.optimization import get_parameter_groups
+from veca_hf.training.optimization import get_parameter_groups
 
 
 def test_loss_matches_a_hand_computation():

@@ -1,4 +1,4 @@
-"""Faults of training steps (`veca_hf.faults`) and of teacher / student pairs, each injected.
+"""Faults of training steps (`veca_hf.training.faults`) and of teacher / student pairs, each injected.
 
 The step guard runs on a real single-process `Accelerator` and a tiny linear model; the two-process agreement runs
 under `accelerate.debug_launcher` (gloo, forked CPU processes).
@@ -16,8 +16,8 @@ from conftest import prepared_linear, tiny_config, tiny_dinov3_config
 from transformers import Dinov2Config
 
 from veca_hf.data import build_transform
-from veca_hf.distillation import check_teacher_student, teacher_normalization, transform_normalization
-from veca_hf.faults import NonFiniteStepsError, StepGuard, any_process, nonfinite_tensor_names
+from veca_hf.training.distillation import check_teacher_student, teacher_normalization, transform_normalization
+from veca_hf.training.faults import NonFiniteStepsError, StepGuard, any_process, nonfinite_tensor_names
 
 
 # ----------------------------------------------------------------------------------------------------------------

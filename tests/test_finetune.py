@@ -22,7 +22,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Tr
 from veca_hf import VecaForImageClassification, VecaImageProcessor, VecaImageProcessorPil, VecaModel
 from veca_hf.budgets import BudgetChoice, BudgetSampler, pick_budget, time_budgets
 from veca_hf.metrics import available_metrics, load_metric
-from veca_hf.training import VecaTrainer, evaluate_budgets
+from veca_hf.training.trainer import VecaTrainer, evaluate_budgets
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from veca_hf.flops import (
     num_patches_for,
     veca_model_flops,
 )
-from veca_hf.modeling_veca import VecaCorePeripheryAttention
+from veca_hf.model.modeling_veca import VecaCorePeripheryAttention
 
 
 RESOLUTIONS = (256, 384, 512, 768, 1024)

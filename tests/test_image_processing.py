@@ -14,8 +14,8 @@ from PIL import Image, ImageFilter
 from transformers import AutoImageProcessor
 
 import veca_hf
-from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
-from veca_hf.image_processing_veca import VecaImageProcessor
+from veca_hf.model.image_processing_pil_veca import VecaImageProcessorPil
+from veca_hf.model.image_processing_veca import VecaImageProcessor
 
 
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float64)
@@ -29,7 +29,7 @@ PIL_VS_TORCHVISION_ATOL = 0.04
 PIL_VS_TORCHVISION_MEAN_TOL = 1e-3
 
 SRC_DIR = Path(__file__).resolve().parents[1] / "src"
-PIL_MODULE_PATH = SRC_DIR / "veca_hf" / "image_processing_pil_veca.py"
+PIL_MODULE_PATH = SRC_DIR / "veca_hf" / "model" / "image_processing_pil_veca.py"
 
 
 def random_image(height=300, width=400, seed=0, mode="RGB"):

@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from veca_hf import VecaModel, modeling_veca
-from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
+from veca_hf import VecaModel
+from veca_hf.model import modeling_veca
+from veca_hf.model.image_processing_pil_veca import VecaImageProcessorPil
 
 
 CROP = 16  # processors crop to 16 x 16 (short side 18): tiny outputs even for a 1 x 2000 image
@@ -51,7 +52,7 @@ def model() -> VecaModel:
 def _processors():
     processors = {"pil": VecaImageProcessorPil.for_resolution(CROP)}
     try:
-        from veca_hf.image_processing_veca import VecaImageProcessor
+        from veca_hf.model.image_processing_veca import VecaImageProcessor
 
         processors["torchvision"] = VecaImageProcessor.for_resolution(CROP)
     except ImportError:

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from veca_hf import VecaBackbone, VecaForImageClassification, VecaModel
-from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
-from veca_hf.modeling_veca import get_padded_patch_coordinates, get_patch_coordinates
+from veca_hf.model.image_processing_pil_veca import VecaImageProcessorPil
+from veca_hf.model.modeling_veca import get_padded_patch_coordinates, get_patch_coordinates
 
 
 PATCH = 16

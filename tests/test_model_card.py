@@ -6,8 +6,8 @@ from conftest import FIXTURES, tiny_config
 from huggingface_hub import ModelCard
 
 from veca_hf import VecaConfig, VecaForImageClassification, VecaImageProcessor, VecaModel
-from veca_hf.convert_veca_original import main as convert_main
 from veca_hf.flops import veca_model_flops
+from veca_hf.model.convert_veca_original import main as convert_main
 from veca_hf.model_card import (
     budget_metrics_from_results,
     preset_teacher,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from veca_hf import VECA_PRESETS, VecaConfig, VecaModel
-from veca_hf.modeling_veca import farthest_point_core_coordinates
+from veca_hf.model.modeling_veca import farthest_point_core_coordinates
 
 
 def make_model(**overrides) -> VecaModel:

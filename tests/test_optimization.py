@@ -9,14 +9,14 @@ from conftest import tiny_config, tiny_dinov3_config
 from transformers import Dinov2Config, Dinov2Model, DINOv3ViTModel
 
 from veca_hf import VecaModel
-from veca_hf.distillation import (
+from veca_hf.training.distillation import (
     DistillationLoss,
     StudentWithLoss,
     dense_student_config,
     init_patch_embeddings_from_teacher,
     patch_embedding_conv,
 )
-from veca_hf.optimization import (
+from veca_hf.training.optimization import (
     build_optimizer,
     check_optimizer_backend,
     cosine_schedule_with_warmup,

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from veca_hf import VecaConfig, VecaModel  # noqa: E402
-from veca_hf.modeling_veca import farthest_point_core_coordinates, get_patch_coordinates  # noqa: E402
+from veca_hf.model.modeling_veca import farthest_point_core_coordinates, get_patch_coordinates  # noqa: E402
 
 
 OUTPUT = Path(__file__).with_name("token_layout.png")

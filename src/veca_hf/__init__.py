@@ -20,17 +20,17 @@ from transformers import (
 from transformers.utils import is_torchvision_available
 
 from .allocator import cpu_allocator_state, tune_cpu_allocator
-from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
-from .image_processing_pil_veca import VecaImageProcessorPil
-from .image_processing_veca import VecaImageProcessor
-from .modeling_veca import (
+from .model.configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
+from .model.image_processing_pil_veca import VecaImageProcessorPil
+from .model.image_processing_veca import VecaImageProcessor
+from .model.modeling_veca import (
     VecaBackbone,
     VecaForImageClassification,
     VecaModel,
     VecaModelOutput,
     VecaPreTrainedModel,
 )
-from .modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
+from .model.modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
 
 
 def _register_auto_classes() -> None:

@@ -26,8 +26,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from .configuration_veca import VecaConfig
-from .modeling_veca import VecaModel
+from .model.configuration_veca import VecaConfig
+from .model.modeling_veca import VecaModel
 
 
 logger = logging.get_logger(__name__)

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .model.modeling_veca import VecaForImageClassification, VecaModel
 from .model_card import load_saved_model
-from .modeling_veca import VecaForImageClassification, VecaModel
 
 
 logger = logging.get_logger(__name__)

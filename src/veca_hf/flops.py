@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 
 if TYPE_CHECKING:
-    from .configuration_veca import VecaConfig
+    from .model.configuration_veca import VecaConfig
 
 
 __all__ = [

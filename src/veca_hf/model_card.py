@@ -4,7 +4,7 @@
 `write_model_card(folder, ...)` writes `README.md` with `huggingface_hub.ModelCard`: Hub metadata (license,
 `library_name`, `pipeline_tag`, tags, the teacher as `base_model`, datasets), then the model's size, its training
 data, a per-budget table (quality where measured, FLOPs from `veca_hf.flops`, latency measured on the current
-device), how to load it and how to pick a budget. The converter (`veca_hf.convert_veca_original`),
+device), how to load it and how to pick a budget. The converter (`veca_hf.model.convert_veca_original`),
 `examples/distill.py` and the fine-tuning scripts (`examples/finetune_*.py`, through `write_finetuned_model_card`)
 call it on the folders they save. Besides VECA's own models it takes transformers' dense heads with a VECA backbone
 (UperNet, DPT, Depth Anything).
@@ -26,10 +26,10 @@ from transformers.utils import logging
 
 from .arguments import redact_urls
 from .budgets import time_budgets
-from .configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .flops import veca_model_flops
-from .modeling_veca import VecaForImageClassification, VecaModel
-from .modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
+from .model.configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
+from .model.modeling_veca import VecaForImageClassification, VecaModel
+from .model.modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
 
 
 if TYPE_CHECKING:  # NOTE: only for the annotation: the converter writes cards without loading Trainer

@@ -11,7 +11,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 from transformers.image_utils import PILImageResampling, pil_torch_interpolation_mapping
 from transformers.utils import logging
 
-from ..image_processing_pil_veca import VecaImageProcessorPil
+from ..model.image_processing_pil_veca import VecaImageProcessorPil
 from .decoding import SKIP_UNDECODABLE
 
 

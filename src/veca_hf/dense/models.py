@@ -22,10 +22,10 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available, logging
 
-from ..configuration_veca import VecaConfig
-from ..image_processing_pil_veca import VecaImageProcessorPil
-from ..image_processing_veca import VecaImageProcessor
-from ..modeling_veca import VecaBackbone, VecaModel
+from ..model.configuration_veca import VecaConfig
+from ..model.image_processing_pil_veca import VecaImageProcessorPil
+from ..model.image_processing_veca import VecaImageProcessor
+from ..model.modeling_veca import VecaBackbone, VecaModel
 
 
 logger = logging.get_logger(__name__)

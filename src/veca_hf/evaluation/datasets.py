@@ -31,7 +31,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from ..image_processing_pil_veca import VecaImageProcessorPil
+from ..model.image_processing_pil_veca import VecaImageProcessorPil
 
 
 __all__ = [

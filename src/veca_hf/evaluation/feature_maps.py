@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
-from ..image_processing_pil_veca import VecaImageProcessorPil
+from ..model.image_processing_pil_veca import VecaImageProcessorPil
 from .features import ProbeModel, check_resolutions, extract_features
 from .reports import _pyplot
 

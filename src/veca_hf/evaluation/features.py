@@ -258,7 +258,7 @@ class ProbeModel:
 def _code_fingerprint(config) -> str:
     """What the features also depend on besides the weights: the model code."""
     if config.model_type == "veca":
-        from .. import modeling_veca
+        from ..model import modeling_veca
 
         return _sha1(Path(modeling_veca.__file__).read_bytes())
     import transformers

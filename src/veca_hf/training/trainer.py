@@ -25,9 +25,9 @@ from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.utils import logging
 
-from .allocator import tune_cpu_allocator
-from .arguments import parse_args_with_file, redact_urls
-from .budgets import (
+from ..allocator import tune_cpu_allocator
+from ..arguments import parse_args_with_file, redact_urls
+from ..budgets import (
     BudgetArguments,
     BudgetSampler,
     eval_budgets_from_args,
@@ -37,8 +37,8 @@ from .budgets import (
     veca_call_defaults,
     veca_config,
 )
-from .hub import take_hub_token
-from .model_card import write_finetuned_model_card
+from ..hub import take_hub_token
+from ..model_card import write_finetuned_model_card
 from .optimization import get_parameter_groups
 
 
@@ -51,7 +51,7 @@ class VecaTrainer(Trainer):
 
     Three things differ from `Trainer`:
 
-    - Weight decay follows `veca_hf.optimization.get_parameter_groups`: no decay on cores, core coordinates,
+    - Weight decay follows `veca_hf.training.optimization.get_parameter_groups`: no decay on cores, core coordinates,
       coordinate step scales, norms and biases. (`Trainer`'s default decays everything that is not a norm or a bias,
       which pulls the cores, and the cores' positions, towards zero.) Only `get_decay_parameter_names` is
       overridden, so `--optim`, `--optim_args` and the rest of `Trainer.create_optimizer` work as usual.

@@ -2,7 +2,7 @@
 """Convert a checkpoint of the VECA research code (arXiv 2605.12491, see docs/conversion.md) into a Hugging Face
 folder.
 
-    python -m veca_hf.convert_veca_original --checkpoint student.pth --output-dir veca-b16 [--push_to_hub]
+    python -m veca_hf.model.convert_veca_original --checkpoint student.pth --output-dir veca-b16 [--push_to_hub]
 
 The size is inferred from the tensors (and cross-checked against the checkpoint's `"config"` when present). The
 folder holds `model.safetensors`, `config.json`, the image processor, the modeling code for `trust_remote_code`
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ..model_card import create_hub_repo, preset_teacher, push_to_hub, resolve_hub_model_id, write_model_card
 from .configuration_veca import VecaConfig
 from .image_processing_pil_veca import VecaImageProcessorPil
-from .model_card import create_hub_repo, preset_teacher, push_to_hub, resolve_hub_model_id, write_model_card
 from .modeling_veca import VecaModel
 
 
@@ -236,7 +236,7 @@ def convert_checkpoint(
         card_kwargs = {
             "base_model": preset_teacher(config),
             "description": f"Converted from the reference checkpoint `{Path(checkpoint).name}` with "
-            "`veca_hf.convert_veca_original`; outputs equal the research code's (see docs/conversion.md).",
+            "`veca_hf.model.convert_veca_original`; outputs equal the research code's (see docs/conversion.md).",
             **(model_card_kwargs or {}),
         }
         write_model_card(output_dir, model=model, **card_kwargs)

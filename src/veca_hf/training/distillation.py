@@ -20,10 +20,10 @@ from torch.nn import functional as F
 from transformers import AutoConfig, AutoModel, DINOv3ViTConfig, DINOv3ViTModel
 from transformers.utils import cached_file, logging
 
-from .budgets import WeightedChoice
-from .configuration_veca import VecaConfig
-from .modeling_utils_veca import gathered_for_init
-from .modeling_veca import VecaModel
+from ..budgets import WeightedChoice
+from ..model.configuration_veca import VecaConfig
+from ..model.modeling_utils_veca import gathered_for_init
+from ..model.modeling_veca import VecaModel
 
 
 logger = logging.get_logger(__name__)
@@ -498,7 +498,7 @@ def _check_student_model_type(model_type: str, source: str) -> None:
     if model_type not in ("veca", "dinov3_vit"):
         raise ValueError(
             f"The student {source} is a {model_type!r} model; distillation trains a VECA student ('veca') or its "
-            "dense control ('dinov3_vit', see veca_hf.distillation.dense_student_config)."
+            "dense control ('dinov3_vit', see veca_hf.training.distillation.dense_student_config)."
         )
 
 

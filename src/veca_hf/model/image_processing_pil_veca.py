@@ -355,7 +355,7 @@ class VecaImageProcessorPil(VecaImageProcessingDefaults, PilBackend):
 
     ```python
     >>> from PIL import Image
-    >>> from veca_hf.image_processing_pil_veca import VecaImageProcessorPil
+    >>> from veca_hf.model.image_processing_pil_veca import VecaImageProcessorPil
 
     >>> processor = VecaImageProcessorPil()
     >>> image = Image.new("RGB", (400, 300))
