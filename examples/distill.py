@@ -71,6 +71,7 @@ from veca_hf.training.faults import (
     PREEMPTED_EXIT_CODE,
     StepGuard,
     ignore_sigterm,
+    join_restarted_group,
     replicas_agree,
 )
 from veca_hf.training.optimization import (
@@ -204,7 +205,9 @@ class DistillationArguments(SampledBudgetArguments):
     max_grad_norm: float = 1.0
     dense_weight: float = field(default=1.0, metadata={"help": "lambda_dense."})
     mse_weight: float = field(default=1.0, metadata={"help": "beta: weight of the dense MSE term."})
-    checkpointing_steps: int = field(default=500, metadata={"help": "Save a resumable checkpoint every N steps."})
+    checkpointing_steps: int = field(
+        default=500, metadata={"help": "Save a resumable checkpoint every N steps (0: never)."}
+    )
     checkpoints_total_limit: int | None = field(default=2, metadata={"help": "Keep only the newest N checkpoints."})
     resume_from_checkpoint: str | None = field(
         default=None,
@@ -214,8 +217,10 @@ class DistillationArguments(SampledBudgetArguments):
         default=10,
         metadata={"help": "Steps with a NaN / inf loss or gradient are skipped; stop after this many in a row."},
     )
-    validation_steps: int = field(default=500, metadata={"help": "Validate every N steps (and at the end)."})
-    logging_steps: int = 10
+    validation_steps: int = field(
+        default=500, metadata={"help": "Validate every N steps and at the end (0: at the end only)."}
+    )
+    logging_steps: int = field(default=10, metadata={"help": "Log the loss every N steps (and at step 1)."})
     seed: int = 0
     mixed_precision: str | None = field(
         default=None,
@@ -243,6 +248,15 @@ class DistillationArguments(SampledBudgetArguments):
     hub_token: str | None = field(default=None, metadata={"help": "Write token (default: cached login / HF_TOKEN)."})
     hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repository private."})
 
+    def __post_init__(self):
+        # counts that a loop divides by or runs for: a ValueError here, not a ZeroDivisionError at step 1
+        at_least = {"max_train_steps": 1, "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
+                    "gradient_accumulation_steps": 1, "logging_steps": 1, "warmup_steps": 0,
+                    "checkpointing_steps": 0, "validation_steps": 0}  # fmt: skip
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name} must be at least {low}, got {getattr(self, name)}.")
+
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DistillationArguments]:
     """Flags, or a JSON / YAML file of them as the first argument (later flags override the file)."""
@@ -250,6 +264,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 
 
 def build_accelerator(args: DistillationArguments, output_dir: Path) -> Accelerator:
+    join_restarted_group()  # after an elastic restart: a group of this attempt's own, which Accelerator then uses
     return Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # NOTE: None lets `accelerate launch --mixed_precision` or its config file decide; "no" would override them.
@@ -596,7 +611,8 @@ def train(
                 + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in logs.items())
             )
         # NOTE: validation first, so that a checkpoint of this step carries its validation.
-        if held_out.batches and (progress.step % args.validation_steps == 0 or progress.step == args.max_train_steps):
+        periodic = bool(args.validation_steps) and progress.step % args.validation_steps == 0
+        if held_out.batches and (periodic or progress.step == args.max_train_steps):
             validation_results = validate(model, held_out, budgets.values, accelerator, progress)
         saved = bool(args.checkpointing_steps) and progress.step % args.checkpointing_steps == 0
         if saved or outcome.stop:

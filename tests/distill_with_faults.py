@@ -8,6 +8,8 @@ Environment variables choose the faults:
 - `VECA_HF_TEST_PAUSE_AFTER_STEP=STEP`: after that step's checkpoint the run waits until SIGUSR1 (it goes on),
   SIGTERM (it goes on to its next step, checkpoints and exits) or a kill, so that a test, not a race, decides when a
   run is interrupted.
+- `VECA_HF_TEST_KILL_AFTER_STEP=STEP:RANK`: once that step's checkpoint is complete, process RANK SIGKILLs itself (in
+  the first attempt only, `TORCHELASTIC_RESTART_COUNT` 0, so that a restarted group runs on): a rank dies.
 """
 
 import importlib.util
@@ -83,7 +85,17 @@ def inject(distill) -> None:
                 signal.signal(signal.SIGUSR1, previous)
         return path
 
-    distill.save_checkpoint = save_then_maybe_pause
+    kill_step, _, kill_rank = os.environ.get("VECA_HF_TEST_KILL_AFTER_STEP", "").partition(":")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    def save_then_maybe_die(accelerator, checkpoints_dir, step, *args, **kwargs):
+        path = save_then_maybe_pause(accelerator, checkpoints_dir, step, *args, **kwargs)
+        if kill_step and step == int(kill_step) and rank == int(kill_rank) and first_attempt:
+            print(f"Rank {rank} dies after step {step}.", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    distill.save_checkpoint = save_then_maybe_die
 
 
 if __name__ == "__main__":

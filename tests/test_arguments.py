@@ -111,6 +111,20 @@ def test_distill_script_reads_nulls_from_its_file(tmp_path):
     assert args.mixed_precision is None and args.budgets is None  # left to the launcher / the student
 
 
+@pytest.mark.parametrize(
+    "flag, value", [("logging_steps", "0"), ("max_train_steps", "0"), ("validation_steps", "-1"),
+                    ("per_device_train_batch_size", "0"), ("gradient_accumulation_steps", "0")],
+)  # fmt: skip
+def test_distill_script_refuses_a_step_count_it_would_divide_by(flag, value):
+    with pytest.raises(ValueError, match=f"--{flag} must be at least .*, got {value}"):
+        _load_script("distill").parse_args(["--dataset_name", "images", f"--{flag}", value])
+
+
+def test_distill_script_validates_at_the_end_only_with_validation_steps_0():
+    args = _load_script("distill").parse_args(["--dataset_name", "images", "--validation_steps", "0"])[2]
+    assert args.validation_steps == 0 and args.checkpointing_steps == 500
+
+
 def test_every_example_loads_files_with_the_package_loader():
     import inspect
 

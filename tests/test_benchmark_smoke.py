@@ -141,6 +141,7 @@ def test_block_inputs_match_paper_table_on_meta():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import scaling
+        import scaling_cases
     finally:
         sys.path.remove(str(SCRIPT.parent))
     from transformers.models.dinov3_vit.modeling_dinov3_vit import DINOv3ViTAttention
@@ -152,10 +153,14 @@ def test_block_inputs_match_paper_table_on_meta():
     with torch.device("meta"):
         veca_block = VecaCorePeripheryAttention(veca_config).eval()
         dinov3_block = DINOv3ViTAttention(dinov3_config).eval()
-    veca_args, veca_kwargs = scaling.make_veca_block_inputs(veca_config, 1, 1024, 1024, 64, torch.float32, "meta")
-    dense_args, dense_kwargs = scaling.make_dinov3_block_inputs(dinov3_config, 1, 1024, 1024, torch.float32, "meta")
-    assert scaling._count_call(lambda: veca_block(*veca_args, **veca_kwargs)) == 21_252_538_368
-    assert round(scaling._count_call(lambda: dinov3_block(*dense_args, **dense_kwargs)) / 1e9, 3) == 71.016
+    veca_args, veca_kwargs = scaling_cases.make_veca_block_inputs(
+        veca_config, 1, 1024, 1024, 64, torch.float32, "meta"
+    )
+    dense_args, dense_kwargs = scaling_cases.make_dinov3_block_inputs(
+        dinov3_config, 1, 1024, 1024, torch.float32, "meta"
+    )
+    assert scaling_cases._count_call(lambda: veca_block(*veca_args, **veca_kwargs)) == 21_252_538_368
+    assert round(scaling_cases._count_call(lambda: dinov3_block(*dense_args, **dense_kwargs)) / 1e9, 3) == 71.016
 
 
 def test_compiled_models_are_timed_with_one_graph_each(tmp_path):
@@ -181,10 +186,10 @@ def test_minor_page_faults_see_fresh_memory():
     glibc serves large tensors from memory the process already touched)."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import scaling
+        import scaling_measure
     finally:
         sys.path.remove(str(SCRIPT.parent))
     with mmap.mmap(-1, 64 * 2**20) as fresh:
-        before = scaling.minor_page_faults()
+        before = scaling_measure.minor_page_faults()
         fresh.write(b"\x01" * len(fresh))
-        assert scaling.minor_page_faults() - before >= 32
+        assert scaling_measure.minor_page_faults() - before >= 32

@@ -181,6 +181,23 @@ def assert_same_final_weights(reference_dir: Path, resumed_dir: Path) -> None:
     assert not list((resumed_dir / "checkpoints").glob(".tmp-*"))
 
 
+def test_a_rank_dies_and_the_elastic_launcher_restarts_the_group_which_resumes_exactly(workspace, tmp_path):
+    """`accelerate launch --max_restarts 1`: rank 1 is SIGKILLed once checkpoint-2 is complete; torchrun restarts
+    both processes, they form a new group (`join_restarted_group`), resume from checkpoint-2 and end with the weights
+    of an uninterrupted 2-process run."""
+    run = {**INTERRUPTED_RUN, "dataloader_num_workers": 0, "resume_from_checkpoint": "latest"}
+    run_distill(distill_args(workspace, tmp_path / "clean", **run), launcher=two_cpu_processes(29536))
+    result = run_distill(
+        distill_args(workspace, tmp_path / "restarted", **run),
+        launcher=two_cpu_processes(29537) + ["--max_restarts", "1"],
+        env={"VECA_HF_TEST_KILL_AFTER_STEP": "2:1"},
+    )
+    assert "Rank 1 dies after step 2." in result.stderr
+    assert "Restart 1 of an elastic launch: rank 1 of 2 joined its new group." in result.stderr
+    assert "Resumed from " + str(tmp_path / "restarted" / "checkpoints" / "checkpoint-2") in result.stderr
+    assert_same_final_weights(tmp_path / "clean", tmp_path / "restarted")
+
+
 def start_when_checkpoint_2_exists(command: list[str], output_dir: Path, **popen_kwargs) -> subprocess.Popen:
     """Starts the run (`command` runs FAULTS_SCRIPT); it waits after step 2 until it is signalled, so the test decides
     when it stops."""

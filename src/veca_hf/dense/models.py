@@ -111,6 +111,19 @@ def _neck_sizes(count: int, hidden_size: int | None, defaults: Sequence[int]) ->
     return [hidden_size] * count if hidden_size else list(defaults)[:count]
 
 
+def _continue_saved_head(
+    model: PreTrainedModel, model_name_or_path: str, head: str, expected: type | None, num_core_tokens: int | None
+) -> PreTrainedModel:
+    """A saved transformers head on a VECA backbone, to train further: it must be the `--head` asked for
+    (`expected`); `num_core_tokens` becomes its backbone's default budget."""
+    if expected is None or not isinstance(model, expected):
+        raise ValueError(f"{model_name_or_path} holds a {type(model).__name__}, not a VECA for --head {head}.")
+    if num_core_tokens is not None:
+        model.backbone.config.default_num_core_tokens = num_core_tokens
+        model.config.backbone_config.default_num_core_tokens = num_core_tokens
+    return _for_trainer(model)
+
+
 def build_segmentation_model(
     model_name_or_path: str,
     head: str,
@@ -149,12 +162,8 @@ def build_segmentation_model(
         model = AutoModelForSemanticSegmentation.from_pretrained(
             model_name_or_path, ignore_mismatched_sizes=True, loss_ignore_index=ignore_index, **labels, **kwargs
         )
-        if not isinstance(model, UperNetForSemanticSegmentation) or head != "upernet":
-            raise ValueError(f"{model_name_or_path} holds a {type(model).__name__}, not a VECA for --head {head}.")
-        if num_core_tokens is not None:
-            model.backbone.config.default_num_core_tokens = num_core_tokens
-            model.config.backbone_config.default_num_core_tokens = num_core_tokens
-        return _for_trainer(model)
+        expected = UperNetForSemanticSegmentation if head == "upernet" else None
+        return _continue_saved_head(model, model_name_or_path, head, expected, num_core_tokens)
     if head == "linear":
         budget = {"default_num_core_tokens": num_core_tokens} if num_core_tokens is not None else {}
         return AutoModelForSemanticSegmentation.from_pretrained(
@@ -215,12 +224,7 @@ def build_depth_model(
     if not isinstance(config, VecaConfig):  # a saved transformers head: continue training it
         model = AutoModelForDepthEstimation.from_pretrained(model_name_or_path, **kwargs)
         expected = {"dpt": DPTForDepthEstimation, "depth_anything": DepthAnythingForDepthEstimation}.get(head)
-        if expected is None or not isinstance(model, expected):
-            raise ValueError(f"{model_name_or_path} holds a {type(model).__name__}, not a VECA for --head {head}.")
-        if num_core_tokens is not None:
-            model.backbone.config.default_num_core_tokens = num_core_tokens
-            model.config.backbone_config.default_num_core_tokens = num_core_tokens
-        return _for_trainer(model)
+        return _continue_saved_head(model, model_name_or_path, head, expected, num_core_tokens)
     if head == "linear":
         budget = {"default_num_core_tokens": num_core_tokens} if num_core_tokens is not None else {}
         model, info = AutoModelForDepthEstimation.from_pretrained(

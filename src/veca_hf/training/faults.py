@@ -241,3 +241,44 @@ __all__ = [
     "nonfinite_tensor_names",
     "replicas_agree",
 ]
+
+
+def join_restarted_group(backend: str | None = None) -> bool:
+    """Form the process group of an elastic restart (`accelerate launch --max_restarts N`, torchrun) under a store
+    prefix of its own attempt; call it before `Accelerator()`, which then uses that group.
+
+    torchrun's default (static) rendezvous keeps one TCPStore for all attempts, and the keys by which the ranks of the
+    attempt that died found each other are still in it: a restarted rank can read a dead peer's address and fail to
+    connect (gloo: `connectFullMesh failed ... Connection refused`) or wait forever. A prefix per attempt
+    (`TORCHELASTIC_RESTART_COUNT`) leaves the old keys unread. Returns whether it formed the group: not in the first
+    attempt, outside torchrun, or when a group exists already.
+
+    Args:
+        backend (`str`, *optional*): defaults to `"nccl"` on CUDA, `"gloo"` on CPU (or with `ACCELERATE_USE_CPU`).
+    """
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or not dist.is_available() or dist.is_initialized() or "MASTER_PORT" not in os.environ:
+        return False
+    if backend is None:
+        use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+        backend = "gloo" if use_cpu or not torch.cuda.is_available() else "nccl"
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # the launcher's agent serves the store at MASTER_ADDR:MASTER_PORT; without it rank 0 does (torch's own rule)
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_serves and rank == 0,
+        timeout=datetime.timedelta(minutes=10),
+        multi_tenant=not agent_serves,
+    )
+    dist.init_process_group(backend, store=dist.PrefixStore(f"veca_hf/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size)  # fmt: skip
+    logger.warning(f"Restart {attempt} of an elastic launch: rank {rank} of {world_size} joined its new group.")
+    return True
