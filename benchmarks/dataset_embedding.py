@@ -39,6 +39,7 @@ from pathlib import Path
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
 import feature_extraction
 import scaling
+import scaling_measure
 import torch
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTModel
 
@@ -164,7 +165,7 @@ def data_only(args, folder: Path, resolution: int, images: Path, out: Path) -> d
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
-    machine = scaling.machine_info(argparse.Namespace(device="cpu", bf16_probe_size=0))
+    machine = scaling_measure.machine_info(argparse.Namespace(device="cpu", bf16_probe_size=0))
     machine["cpu_allocator"] = common.apply_cpu_allocator(args)
     cells = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +197,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
                             f"{data['images_per_s']:.1f}",
                             flush=True,
                         )
-    machine["loadavg_end"] = scaling._loadavg()
+    machine["loadavg_end"] = scaling_measure.loadavg()
     return cells, machine
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
 import scaling
+import scaling_measure
 import torch
 import torch.nn.functional as F
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     allocator = common.apply_cpu_allocator(args)
-    machine = scaling.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
+    machine = scaling_measure.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
     machine["cpu_allocator"] = allocator
     teacher, students, patch_size = build(args, device)
     teacher_autocast = torch.bfloat16 if args.teacher_dtype == "bf16" else None
@@ -125,18 +126,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times = {}
         start = time.perf_counter()
         targets = compute_teacher_targets(teacher, x, patch_size, autocast_dtype=teacher_autocast)
-        scaling.synchronize(device)
+        scaling_measure.synchronize(device)
         times["teacher"] = time.perf_counter() - start
         start = time.perf_counter()
         with student_context():
             loss = module(x, budget, targets.cls, targets.patches)["loss"]
         loss.backward()
-        scaling.synchronize(device)
+        scaling_measure.synchronize(device)
         times["student_forward_backward"] = time.perf_counter() - start
         start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        scaling.synchronize(device)
+        scaling_measure.synchronize(device)
         times["optimizer"] = time.perf_counter() - start
         return times
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "breakdown_share": {part: breakdown[part] / sum(breakdown.values()) for part in PARTS},
                 "parts_samples": rounds,
                 "ratio_vs_dense": median / statistics.median(dense_totals),
-                "paired_ratio_vs_dense": scaling._paired_median(totals, dense_totals),
+                "paired_ratio_vs_dense": scaling_measure.paired_median(totals, dense_totals),
             }  # fmt: skip
             points.append(point)
             shares = ", ".join(f"{part} {100 * v:.0f}%" for part, v in point["breakdown_share"].items())

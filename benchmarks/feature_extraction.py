@@ -35,6 +35,7 @@ from pathlib import Path
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
 import numpy as np
 import scaling
+import scaling_measure
 import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTImageProcessor, DINOv3ViTModel, pipeline
@@ -150,7 +151,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     allocator = common.apply_cpu_allocator(args)
-    machine = scaling.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
+    machine = scaling_measure.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
     machine["cpu_allocator"] = allocator
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     device = torch.device(args.device)
@@ -170,7 +171,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
                         for path, call in by_path.items():
                             start = time.perf_counter()
                             features[path] = call()
-                            scaling.synchronize(device)
+                            scaling_measure.synchronize(device)
                             seconds = time.perf_counter() - start
                             cell = cells.setdefault(
                                 (resolution, batch, name, path),
@@ -197,7 +198,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
     for cell in cells.values():
         cell["median_seconds"] = statistics.median(cell["seconds"])
         cell["images_per_s"] = args.num_images / cell["median_seconds"]
-    machine["loadavg_end"] = scaling._loadavg()
+    machine["loadavg_end"] = scaling_measure.loadavg()
     return list(cells.values()), machine
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
 import scaling
+import scaling_measure
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     allocator = common.apply_cpu_allocator(args)
-    machine = scaling.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
+    machine = scaling_measure.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
     machine["cpu_allocator"] = allocator
     device = torch.device(args.device)
     if args.research_code:
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{point['paired_ratio']:.3f}), max abs difference {max_abs_difference:.1e}",
             flush=True,
         )
-    machine["loadavg_end"] = scaling._loadavg()
+    machine["loadavg_end"] = scaling_measure.loadavg()
     result = {
         "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "args": vars(args),

@@ -54,21 +54,20 @@ import common  # first: the offline Hub defaults, and veca_hf from a source chec
 import torch
 from scaling_cases import DINOV3, DTYPES, GEMM_DTYPES, build_cases
 from scaling_measure import (
-    _loadavg,
-    _merge_profiles,
-    _paired_median,
-    _param_bytes,
     cpu_has_fast_bf16,
     cuda_forward_peak_bytes,
+    loadavg,
     machine_info,
     make_gemm,
     measure_gemm,
+    merge_profiles,
     minor_page_faults,
+    paired_median,
+    param_bytes,
     profile_call,
-    synchronize,  # noqa: F401 - re-exported: other benchmarks call `scaling.synchronize`
     time_call,
 )
-from scaling_report import _one_line, markdown, plot, summarize, summary_lines, train_target_lines, train_targets
+from scaling_report import markdown, one_line, plot, summarize, summary_lines, train_target_lines, train_targets
 
 from veca_hf import VecaConfig
 from veca_hf.flops import num_patches_for
@@ -276,7 +275,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                         for _ in range(args.profile_repeats)
                     ]
                     if all(runs):
-                        extra[key].update(_merge_profiles(runs, device))
+                        extra[key].update(merge_profiles(runs, device))
 
         gemm_reference = statistics.median(gemm_samples)
         for resolution in args.resolutions:
@@ -327,7 +326,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                 else:
                     point["latency_ms"] = None
                 peak = extra[key].get("forward_peak_bytes")
-                weights = _param_bytes(case.module)
+                weights = param_bytes(case.module)
                 point.update(
                     attention_module_share=extra[key].get("attention_module_share"),
                     attention_core_share=extra[key].get("attention_core_share"),
@@ -350,10 +349,10 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                 point["latency_ratio_vs_dinov3"] = (
                     point["latency_ms"]["median"] / dense["latency_ms"]["median"] if both else None
                 )
-                point["paired_latency_ratio_vs_dinov3"] = _paired_median(
+                point["paired_latency_ratio_vs_dinov3"] = paired_median(
                     samples[(resolution, point["label"])], dense_rounds
                 )
-                log("    " + _one_line(point))
+                log("    " + one_line(point))
             points.extend(mode_points)
         calls.clear()
         _release(device)
@@ -437,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
     gemm_all = gemm_start + gemm_end
     gemm_reference = statistics.median(gemm_all)
     log(f"GEMM {args.gemm_size}^2 {args.dtype}: {statistics.median(gemm_end) / 1e9:.1f} GFLOP/s (end)")
-    machine["loadavg_end"] = _loadavg()
+    machine["loadavg_end"] = loadavg()
     if any(not p["flops_match"] for p in points):
         notes.append("Some counted FLOPs differ from the analytic ones: see flops_match in results.json.")
 

@@ -116,7 +116,7 @@ def make_dinov3_block_inputs(
     return (_hidden_states(shape, dtype, device, generator),), {"position_embeddings": (cos, sin)}
 
 
-def _count_call(fn: Callable[[], Any]) -> int:
+def count_call(fn: Callable[[], Any]) -> int:
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
         fn()
@@ -262,7 +262,7 @@ def block_cases(args, veca_config, dinov3_config, device, dtype) -> list[Case]:
         return attention_block_flops(veca_config.hidden_size, num_patches_for(r, r, patch), batch_size=b, **cores)
 
     def counted_block_flops(c, r, b):
-        return _count_call(block_call(c, r, b, meta=True))
+        return count_call(block_call(c, r, b, meta=True))
 
     return _dinov3_then_veca(
         args, patch, prefix, dinov3_block, veca_block, block_call, block_flops, counted_block_flops

@@ -37,7 +37,7 @@ ATTENTION_CORE_OPS = {
 # --- machine -------------------------------------------------------------------------------------------------------
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     try:
         return [float(v) for v in Path("/proc/loadavg").read_text().split()[:3]]
     except OSError:
@@ -90,7 +90,7 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         "device": args.device,
         "device_name": cpu_model(),
-        "loadavg_start": _loadavg(),
+        "loadavg_start": loadavg(),
         "cpu_capability": _call_or_none(torch.backends.cpu, "get_cpu_capability"),
         "cpu_avx512_bf16": _call_or_none(torch.cpu, "_is_avx512_bf16_supported"),
         "cpu_amx_tile": _call_or_none(torch.cpu, "_is_amx_tile_supported"),
@@ -147,13 +147,13 @@ def _round_ratios(numerators: list, denominators: list) -> list[float]:
     return [a / b for a, b in zip(numerators, denominators, strict=False) if a is not None and b is not None]
 
 
-def _paired_median(numerators: list, denominators: list) -> float | None:
+def paired_median(numerators: list, denominators: list) -> float | None:
     """Median over the rounds of `numerators[i] / denominators[i]`, skipping rounds where either call failed."""
     ratios = _round_ratios(numerators, denominators)
     return statistics.median(ratios) if ratios else None
 
 
-def _rounds_within(numerators: list, denominators: list, limit: float) -> str:
+def rounds_within(numerators: list, denominators: list, limit: float) -> str:
     """How many rounds' ratios are at most `limit`, as "k/n": the paired median's support, round by round."""
     ratios = _round_ratios(numerators, denominators)
     return f"{sum(r <= limit for r in ratios)}/{len(ratios)}"
@@ -242,7 +242,7 @@ def profile_call(fn: Callable[[], Any], module: nn.Module, device: torch.device)
     return result
 
 
-def _merge_profiles(runs: list[dict], device: torch.device) -> dict[str, Any]:
+def merge_profiles(runs: list[dict], device: torch.device) -> dict[str, Any]:
     """Median attention shares over the profiled calls (one call can be hit by a preemption); max CPU peak."""
     merged: dict[str, Any] = {"profile_time_basis": runs[0]["profile_time_basis"], "profile_calls": len(runs)}
     for key in ("attention_module_share", "attention_core_share"):
@@ -279,5 +279,5 @@ def cuda_forward_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def _param_bytes(module: nn.Module) -> int:
+def param_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))

@@ -9,7 +9,7 @@ from typing import Any
 
 import common  # noqa: F401 - first: the offline Hub defaults, and veca_hf from a source checkout
 from scaling_cases import DINOV3, VECA
-from scaling_measure import _paired_median, _rounds_within
+from scaling_measure import paired_median, rounds_within
 
 
 MODE_ORDER = ["model", "block", "train"]
@@ -19,7 +19,7 @@ TRAIN_TARGET_RESOLUTIONS = (512, 768)
 TRAIN_TARGET_MARGIN = 0.03
 
 
-def _one_line(p: dict) -> str:
+def one_line(p: dict) -> str:
     lat = p["latency_ms"]
     text = f"{p['label']:<12} {p['flops_analytic'] / 1e9:9.3f} GFLOPs"
     text += f"  {lat['median']:9.2f} ms [{lat['min']:.2f}-{lat['max']:.2f}]" if lat else "  (failed)"
@@ -97,7 +97,7 @@ def summarize(points: list[dict], args) -> list[dict]:
             def paired_per_token_ratio(a, b):
                 if a is b or not (a and b and a.get("latency_ms") and b.get("latency_ms")):
                     return None
-                ratio = _paired_median(a["latency_ms"]["samples"], b["latency_ms"]["samples"])
+                ratio = paired_median(a["latency_ms"]["samples"], b["latency_ms"]["samples"])
                 return None if ratio is None else ratio * b["num_tokens"] / a["num_tokens"]
 
             entry["veca_per_token_latency_ratio"] = per_token_ratio(veca_large, veca_ref)
@@ -131,7 +131,7 @@ def train_targets(points: list[dict], args) -> list[dict]:
                 limit = flop_ratio + TRAIN_TARGET_MARGIN
                 rounds = None
                 if veca.get("latency_ms") and dense.get("latency_ms"):
-                    rounds = _rounds_within(veca["latency_ms"]["samples"], dense["latency_ms"]["samples"], limit)
+                    rounds = rounds_within(veca["latency_ms"]["samples"], dense["latency_ms"]["samples"], limit)
                 out.append({
                     "target": "step time VECA / dense <= training FLOP ratio + 0.03",
                     "batch_size": batch, "resolution": resolution, "budget": budget, "target_resolution": at_target,
@@ -146,8 +146,8 @@ def train_targets(points: list[dict], args) -> list[dict]:
                 )
                 paired = rounds = None
                 if a.get("latency_ms") and b.get("latency_ms"):
-                    paired = _paired_median(a["latency_ms"]["samples"], b["latency_ms"]["samples"])
-                    rounds = _rounds_within(a["latency_ms"]["samples"], b["latency_ms"]["samples"], 1.0)
+                    paired = paired_median(a["latency_ms"]["samples"], b["latency_ms"]["samples"])
+                    rounds = rounds_within(a["latency_ms"]["samples"], b["latency_ms"]["samples"], 1.0)
                 out.append({
                     "target": f"step time C={small} <= C={large}",
                     "batch_size": batch, "resolution": resolution, "budget": [small, large], "target_resolution": True,
