@@ -1,5 +1,6 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Faults of long training runs: non-finite steps and preemption, decided the same way on every process.
+"""Faults of long training runs: non-finite steps and preemption, decided the same way on every process, and the
+process group of an elastic restart after a rank died (`join_restarted_group`).
 
 `StepGuard` is called once per optimiser step, after the backward pass of the step's last micro-batch. It clips the
 gradients, checks the loss and the gradients for NaN / inf, and with one all-reduce makes every process agree on two
@@ -21,11 +22,14 @@ if outcome.stop:
 ```
 """
 
+import datetime
 import math
+import os
 import signal
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers.utils import logging
 
@@ -256,11 +260,6 @@ def join_restarted_group(backend: str | None = None) -> bool:
     Args:
         backend (`str`, *optional*): defaults to `"nccl"` on CUDA, `"gloo"` on CPU (or with `ACCELERATE_USE_CPU`).
     """
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt == 0 or not dist.is_available() or dist.is_initialized() or "MASTER_PORT" not in os.environ:
         return False
