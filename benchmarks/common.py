@@ -55,9 +55,9 @@ def argument_parser(description: str, resolutions: list[int]) -> argparse.Argume
         "--cpu_allocator",
         default="tuned",
         choices=["tuned", "default"],
-        help="tuned: apply veca_hf's glibc malloc settings at the start (what the first VECA forward on the CPU does "
-        "anyway), so that every model of the run, DINOv3 included, runs under them; default: glibc's own "
-        "(VECA_HF_TUNE_MALLOC=0). Recorded in the results (machine.cpu_allocator).",
+        help="tuned: apply veca_hf.tune_cpu_allocator() at the start, so that every model of the run, DINOv3 "
+        "included, runs under the same glibc malloc settings; default: glibc's own (VECA_HF_TUNE_MALLOC=0). "
+        "Recorded in the results (machine.cpu_allocator).",
     )
     return parser
 

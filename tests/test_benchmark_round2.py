@@ -1,6 +1,6 @@
 """Smoke tests of the benchmarks: training mode of `benchmarks/scaling.py`, `memory_scaling.py`,
-`precision_check.py`, `distill_step.py` and `gpu_check.sh`. FLOP counts, JSON structure and the arithmetic of the
-reported ratios and fits are asserted; wall-clock times never are."""
+`precision_check.py`, `int8_check.py`, `distill_step.py` and `gpu_check.sh`. FLOP counts, JSON structure and the
+arithmetic of the reported ratios and fits are asserted; wall-clock times never are."""
 
 import json
 import math
@@ -282,6 +282,61 @@ def test_cpu_bf16_support_flags_only():
     assert "mm_size" not in info and info["fast_bf16"] in (True, False, None)
     if info["flags"] is not None:
         assert info["fast_bf16"] == bool({"avx512_bf16", "amx_bf16"} & set(info["flags"]))
+
+
+def write_fashion_mnist(folder: Path, count: int) -> None:
+    """A Fashion-MNIST look-alike in its IDX format (train, t10k): grey images whose brightness follows the class."""
+    import gzip
+    import struct
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    for prefix in ("train", "t10k"):
+        labels = rng.integers(0, 10, count).astype(np.uint8)
+        images = (rng.integers(0, 60, (count, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
+        with gzip.open(folder / f"{prefix}-images-idx3-ubyte.gz", "wb") as file:
+            file.write(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+        with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as file:
+            file.write(struct.pack(">II", 2049, count) + labels.tobytes())
+
+
+def test_int8_check_times_compares_and_probes_every_candidate(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from conftest import tiny_config
+
+    from veca_hf import VecaModel
+
+    torch.manual_seed(0)
+    VecaModel(tiny_config()).save_pretrained(tmp_path / "tiny")
+    (tmp_path / "photos").mkdir()
+    for index, image in enumerate(random_pil_images(3, size=(90, 70))):
+        image.save(tmp_path / "photos" / f"{index}.png")
+    write_fashion_mnist(tmp_path / "fashion", 30)
+    run_script("int8_check.py", "--tiny", "--budget", "8", "--speed_resolutions", "64", "--rounds", "2",
+               "--resolutions", "64", "--veca_model", str(tmp_path / "tiny"), "--images_dir", str(tmp_path / "photos"),
+               "--num_images", "3", "--fashion_mnist_dir", str(tmp_path / "fashion"), "--probe_resolution", "64",
+               "--probe_samples", "30", "--threads", "1", "--bf16_probe_size", "0",
+               "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    candidates = ["torch_int8_x86", "torch_int8_onednn", "onnxruntime_int8"]
+    assert [row["runner"] for row in result["speed"]] == ["fp32", "bf16", *candidates]
+    for row in result["speed"]:
+        ratios = [a / b for a, b in zip(row["seconds"], result["speed"][0]["seconds"], strict=True)]
+        assert len(row["seconds"]) == 2 and row["over_fp32"] == pytest.approx(statistics.median(ratios))
+    assert [row["runner"] for row in result["fidelity"]] == candidates  # fp32 is the reference
+    for row in result["fidelity"]:
+        assert 0.9 < row["global_cosine_min"] <= row["global_cosine_mean"] + 1e-6 <= 1 + 2e-6
+        assert 0.9 < row["patch_cosine_min"] <= row["patch_cosine_mean"] + 1e-6 <= 1 + 2e-6
+    probes = {row["runner"]: row for row in result["probe"]}
+    assert probes["fp32"]["minus_fp32"] == 0 and probes["fp32"]["minus_fp32_interval"] == [0, 0]
+    for name, verdict in result["verdicts"].items():
+        row = next(r for r in result["fidelity"] if r["runner"] == name)
+        assert verdict["worst_cosine"] == min(row["global_cosine_min"], row["patch_cosine_min"])
+        low, high = probes[name]["minus_fp32_interval"]
+        assert verdict["fit_to_offer"] == (verdict["worst_cosine"] >= 0.99 and low <= 0 <= high)
+    assert result["machine"]["bf16"]["flags"] is not None or sys.platform != "linux"
 
 
 # --- gpu_check.sh --------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from veca_hf.export_onnx import export_onnx, main, verify_onnx  # noqa: E402
+from veca_hf.export_onnx import export_onnx, main, verify_onnx, verify_onnx_int8  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,25 @@ def test_invalid_arguments_fail_before_exporting(tmp_path, capsys):
         main(["--model_name_or_path", str(tmp_path / "tiny"), "--num_core_tokens", "12", "--output", "x.onnx"])
     assert exit_info.value.code == 2 and "--num_core_tokens=12 is not a valid budget" in capsys.readouterr().err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_int8_export_keeps_the_features_and_the_metadata(tmp_path, capsys):
+    """`--int8`: ONNX Runtime's dynamic quantization; every token stays within cosine 0.99 of PyTorch's fp32, no
+    temporary file is left, the file says what it holds, and the check refuses a file that drifts further."""
+    torch.manual_seed(0)
+    VecaModel(tiny_config()).save_pretrained(tmp_path / "tiny")
+    output = tmp_path / "m-int8.onnx"
+    main(["--model_name_or_path", str(tmp_path / "tiny"), "--num_core_tokens", "8", "--output", str(output),
+          "--int8", "--verify"])  # fmt: skip
+    assert "-> int8" in capsys.readouterr().out
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["m-int8.onnx", "tiny"]
+    proto = onnx.load(str(output))
+    metadata = {entry.key: entry.value for entry in proto.metadata_props}
+    assert metadata["num_core_tokens"] == "8" and metadata["weights"] == "int8"
+    assert any(node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for node in proto.graph.node)
+    model = VecaModel.from_pretrained(tmp_path / "tiny").eval()
+    sizes = [(2, 64, 96), (1, 128, 64)]
+    cosine = verify_onnx_int8(model, output, 8, sizes=sizes)
+    assert 0.99 <= cosine < 1 - 1e-7  # int8 rounding: close, never exact
+    with pytest.raises(ValueError, match="int8 rounding moves"):
+        verify_onnx_int8(model, output, 8, sizes=sizes, min_cosine=1.0)

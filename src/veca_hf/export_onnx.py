@@ -9,10 +9,15 @@ at least 2 patches). A `VecaModel` folder gives the outputs `last_hidden_state` 
 `(B, D)`; a `VecaForImageClassification` folder gives `logits` `(B, num_labels)`. The input is `pixel_values`
 `(B, 3, H, W)`, preprocessed as by the folder's image processor.
 
-Needs the `onnx` extra (`pip install "veca_hf[onnx]"`: onnx, onnxscript, and onnxruntime for `--verify`).
+`--int8` writes int8 weights instead (ONNX Runtime's dynamic quantization; run the file with ONNX Runtime), for CPUs
+without fast bf16; docs/performance.md says what it costs in features and gains in speed.
+
+Needs the `onnx` extra (`pip install "veca_hf[onnx]"`: onnx, onnxscript, and onnxruntime for `--int8` and
+`--verify`).
 """
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,7 +30,7 @@ from .model_card import load_saved_model
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["VecaOnnxWrapper", "export_onnx", "verify_onnx"]
+__all__ = ["VecaOnnxWrapper", "export_onnx", "quantize_onnx_int8", "verify_onnx", "verify_onnx_int8"]
 
 
 class VecaOnnxWrapper(nn.Module):
@@ -126,6 +131,31 @@ def export_onnx(
     return output
 
 
+def _compare_with_pytorch(model, onnx_path, num_core_tokens: int, sizes):
+    """Per size and output: `(name, PyTorch's output, onnxruntime's output)`, both fp32 tensors, on random inputs."""
+    import onnxruntime
+
+    patch_size = model.config.patch_size
+    sizes = sizes or [(2, 4 * patch_size, 6 * patch_size), (1, 8 * patch_size, 4 * patch_size)]
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    exported_budget = session.get_modelmeta().custom_metadata_map.get("num_core_tokens")
+    if exported_budget is not None and int(exported_budget) != num_core_tokens:
+        raise ValueError(
+            f"{str(onnx_path)!r} was exported at budget {exported_budget}, not num_core_tokens={num_core_tokens}: "
+            "compare it at that budget, or export the budget you want."
+        )
+    wrapper = VecaOnnxWrapper(model.eval(), num_core_tokens)
+    for batch_size, height, width in sizes:
+        pixel_values = torch.randn(batch_size, model.config.num_channels, height, width)
+        with torch.no_grad():
+            expected = wrapper(pixel_values.to(next(model.parameters()).dtype))
+        actual = session.run(None, {"pixel_values": pixel_values.numpy()})
+        for name, reference, result in zip(wrapper.output_names, expected, actual, strict=False):
+            if tuple(result.shape) != tuple(reference.shape):
+                raise ValueError(f"ONNX output {name!r} has shape {result.shape}, PyTorch {tuple(reference.shape)}.")
+            yield name, reference.float(), torch.from_numpy(result)
+
+
 def verify_onnx(
     model: VecaModel | VecaForImageClassification,
     onnx_path: str | Path,
@@ -150,30 +180,69 @@ def verify_onnx(
     Raises:
         `ValueError`: if the file was exported at another budget, or a difference exceeds `atol`.
     """
-    import onnxruntime
-
-    patch_size = model.config.patch_size
-    sizes = sizes or [(2, 4 * patch_size, 6 * patch_size), (1, 8 * patch_size, 4 * patch_size)]
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    exported_budget = session.get_modelmeta().custom_metadata_map.get("num_core_tokens")
-    if exported_budget is not None and int(exported_budget) != num_core_tokens:
-        raise ValueError(
-            f"{str(onnx_path)!r} was exported at budget {exported_budget}, not num_core_tokens={num_core_tokens}: "
-            "compare it at that budget, or export the budget you want."
-        )
-    wrapper = VecaOnnxWrapper(model.eval(), num_core_tokens)
     worst = 0.0
-    for batch_size, height, width in sizes:
-        pixel_values = torch.randn(batch_size, model.config.num_channels, height, width)
-        with torch.no_grad():
-            expected = wrapper(pixel_values.to(next(model.parameters()).dtype))
-        actual = session.run(None, {"pixel_values": pixel_values.numpy()})
-        for name, reference, result in zip(wrapper.output_names, expected, actual, strict=False):
-            if tuple(result.shape) != tuple(reference.shape):
-                raise ValueError(f"ONNX output {name!r} has shape {result.shape}, PyTorch {tuple(reference.shape)}.")
-            worst = max(worst, (torch.from_numpy(result) - reference.float()).abs().max().item())
+    for _, reference, result in _compare_with_pytorch(model, onnx_path, num_core_tokens, sizes):
+        worst = max(worst, (result - reference).abs().max().item())
     if worst > atol:
         raise ValueError(f"onnxruntime differs from PyTorch by {worst:.3g} (> atol={atol:g}) for {onnx_path}.")
+    return worst
+
+
+def quantize_onnx_int8(onnx_path: str | Path, output: str | Path) -> Path:
+    """
+    Writes an int8 copy of an exported file: ONNX Runtime's dynamic quantization (`quantize_dynamic`: int8 weights
+    of every MatMul, activations quantized per call), which runs on ONNX Runtime's CPU provider. The metadata
+    (budget, patch size, outputs) is kept and gains `weights: int8`.
+
+    Speed and what int8 does to the features are measured in docs/performance.md ("Which precision on my CPU?").
+
+    Args:
+        onnx_path (`str` or `Path`): an fp32 file written by [`export_onnx`].
+        output (`str` or `Path`): the int8 file to write.
+
+    Returns:
+        `Path`: the written file.
+    """
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    quantize_dynamic(str(onnx_path), str(output), weight_type=QuantType.QInt8)
+    metadata = {entry.key: entry.value for entry in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    quantized = onnx.load(str(output))
+    del quantized.metadata_props[:]
+    for key, value in {**metadata, "weights": "int8"}.items():
+        quantized.metadata_props.add(key=key, value=value)
+    onnx.save(quantized, str(output))
+    return output
+
+
+def verify_onnx_int8(
+    model: VecaModel | VecaForImageClassification,
+    onnx_path: str | Path,
+    num_core_tokens: int,
+    sizes: list[tuple[int, int, int]] | None = None,
+    min_cosine: float = 0.99,
+) -> float:
+    """
+    Like [`verify_onnx`] for an int8 file, whose outputs differ from fp32 by rounding: the cosine similarity of every
+    token (and pooled or logit vector) to PyTorch's must be at least `min_cosine`.
+
+    Returns:
+        `float`: the smallest cosine over all outputs and sizes.
+
+    Raises:
+        `ValueError`: if the file was exported at another budget, or a cosine is below `min_cosine`.
+    """
+    worst = 1.0
+    for _, reference, result in _compare_with_pytorch(model, onnx_path, num_core_tokens, sizes):
+        worst = min(worst, torch.nn.functional.cosine_similarity(result, reference, dim=-1).min().item())
+    if worst < min_cosine:
+        raise ValueError(
+            f"The int8 file {onnx_path} reaches cosine {worst:.4f} to PyTorch (< min_cosine={min_cosine:g}): int8 "
+            "rounding moves this model's features too far; serve it in fp32 or bf16."
+        )
     return worst
 
 
@@ -183,14 +252,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_core_tokens", type=int, required=True, help="the budget C baked into the file")
     parser.add_argument("--output", required=True, help="the .onnx file to write")
     parser.add_argument("--max_side", type=int, default=4096, help="largest height or width accepted, in pixels")
+    parser.add_argument("--int8", action="store_true", help="write int8 weights (ONNX Runtime dynamic quantization)")
     parser.add_argument("--verify", action="store_true", help="compare onnxruntime with PyTorch at two sizes")
     args = parser.parse_args(argv)
     try:
         model = load_saved_model(args.model_name_or_path)
         model.config.check_budget(args.num_core_tokens, name="--num_core_tokens")
-        output = export_onnx(model, args.num_core_tokens, args.output, max_side=args.max_side)
-        message = f"Exported {args.model_name_or_path} at budget {args.num_core_tokens} -> {output}"
-        if args.verify:
+        if args.int8:
+            with tempfile.TemporaryDirectory(dir=Path(args.output).resolve().parent) as tmp:
+                fp32 = export_onnx(model, args.num_core_tokens, Path(tmp) / "fp32.onnx", max_side=args.max_side)
+                output = quantize_onnx_int8(fp32, args.output)
+        else:
+            output = export_onnx(model, args.num_core_tokens, args.output, max_side=args.max_side)
+        weights = "int8 " if args.int8 else ""
+        message = f"Exported {args.model_name_or_path} at budget {args.num_core_tokens} -> {weights}{output}"
+        if args.verify and args.int8:
+            cosine = verify_onnx_int8(model, output, args.num_core_tokens)
+            message += f"; every output within cosine {cosine:.4f} of PyTorch's fp32"
+        elif args.verify:
             message += f"; onnxruntime matches PyTorch to {verify_onnx(model, output, args.num_core_tokens):.2g}"
     except ValueError as error:
         parser.exit(2, f"error: {error}\n")
