@@ -1,6 +1,8 @@
 """Shared fixtures: tiny VECA configs, a tiny DINOv3 teacher, generated images. Nothing touches the network."""
 
+import gzip
 import os
+import struct
 import sys
 from pathlib import Path
 
@@ -107,3 +109,13 @@ def veca_dir(tmp_path_factory) -> Path:
     VecaModel(tiny_config()).save_pretrained(path)
     VecaImageProcessor().save_pretrained(path)
     return path
+
+
+def write_idx(folder, prefix: str, count: int, rng) -> None:
+    """A Fashion-MNIST look-alike in its IDX format: 28 x 28 grey images whose brightness follows the class."""
+    labels = rng.integers(0, 10, count).astype(np.uint8)
+    images = (rng.integers(0, 60, (count, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
+    with gzip.open(folder / f"{prefix}-images-idx3-ubyte.gz", "wb") as file:
+        file.write(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
+    with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as file:
+        file.write(struct.pack(">II", 2049, count) + labels.tobytes())

@@ -284,24 +284,6 @@ def test_cpu_bf16_support_flags_only():
         assert info["fast_bf16"] == bool({"avx512_bf16", "amx_bf16"} & set(info["flags"]))
 
 
-def write_fashion_mnist(folder: Path, count: int) -> None:
-    """A Fashion-MNIST look-alike in its IDX format (train, t10k): grey images whose brightness follows the class."""
-    import gzip
-    import struct
-
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    folder.mkdir()
-    for prefix in ("train", "t10k"):
-        labels = rng.integers(0, 10, count).astype(np.uint8)
-        images = (rng.integers(0, 60, (count, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
-        with gzip.open(folder / f"{prefix}-images-idx3-ubyte.gz", "wb") as file:
-            file.write(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
-        with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as file:
-            file.write(struct.pack(">II", 2049, count) + labels.tobytes())
-
-
 def test_int8_check_times_compares_and_probes_every_candidate(tmp_path):
     pytest.importorskip("onnxruntime")
     from conftest import tiny_config
@@ -313,7 +295,13 @@ def test_int8_check_times_compares_and_probes_every_candidate(tmp_path):
     (tmp_path / "photos").mkdir()
     for index, image in enumerate(random_pil_images(3, size=(90, 70))):
         image.save(tmp_path / "photos" / f"{index}.png")
-    write_fashion_mnist(tmp_path / "fashion", 30)
+    import numpy as np
+    from conftest import write_idx
+
+    (tmp_path / "fashion").mkdir()
+    rng = np.random.default_rng(0)
+    for prefix in ("train", "t10k"):
+        write_idx(tmp_path / "fashion", prefix, 30, rng)
     run_script("int8_check.py", "--tiny", "--budget", "8", "--speed_resolutions", "64", "--rounds", "2",
                "--resolutions", "64", "--veca_model", str(tmp_path / "tiny"), "--images_dir", str(tmp_path / "photos"),
                "--num_images", "3", "--fashion_mnist_dir", str(tmp_path / "fashion"), "--probe_resolution", "64",

@@ -2,16 +2,14 @@
 VECA, probes with k-NN and intervals, the teacher-student cosine, the summary with its four targets) on tiny models
 and generated data, so that the pipeline cannot silently break."""
 
-import gzip
 import importlib.util
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_dinov3_config
+from conftest import tiny_dinov3_config, write_idx
 from PIL import Image
 from transformers import DINOv3ViTModel
 
@@ -27,16 +25,6 @@ def load_study():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def write_idx(folder: Path, prefix: str, count: int, rng) -> None:
-    """A Fashion-MNIST look-alike in its IDX format: 28 x 28 grey images whose brightness follows the class."""
-    labels = rng.integers(0, 10, count).astype(np.uint8)
-    images = (rng.integers(0, 60, (count, 28, 28)) + 19 * labels[:, None, None]).astype(np.uint8)
-    with gzip.open(folder / f"{prefix}-images-idx3-ubyte.gz", "wb") as file:
-        file.write(struct.pack(">IIII", 2051, count, 28, 28) + images.tobytes())
-    with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as file:
-        file.write(struct.pack(">II", 2049, count) + labels.tobytes())
 
 
 @pytest.fixture(scope="module")
