@@ -29,6 +29,7 @@ interval of its difference to fp32 contains 0.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 import time
@@ -66,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe_samples", type=int, default=2000, help="Train and test images of the probe.")
     parser.add_argument("--min_cosine", type=float, default=0.99)
     parser.add_argument("--bf16_probe_size", type=int, default=2048, help="torch.mm side timed in fp32 and bf16.")
-    parser.add_argument("--output_dir", default=None, help="Folder for results.json and results.md.")
+    parser.add_argument("--output_dir", default=None, help="Folder for results.json.")
     args = parser.parse_args(argv)
     args.candidates = [c for c in args.candidates.split(",") if c]
     unknown = sorted(set(args.candidates) - set(CANDIDATES))
@@ -110,8 +111,6 @@ def _onnxruntime_int8(model: VecaModel, budget: int, folder: Path) -> Runner:
 
 def build_runners(model: VecaModel, args, folder: Path, with_references: bool) -> dict[str, Runner]:
     """fp32 (and bf16 weights, for the timings) and every candidate, each on its own copy of `model`'s weights."""
-    import copy
-
     runners = {"fp32": _torch_runner(model, args.budget)}
     if with_references:
         runners["bf16"] = _torch_runner(copy.deepcopy(model).to(torch.bfloat16), args.budget, torch.bfloat16)
@@ -188,15 +187,20 @@ def measure_probe(runners: dict[str, Runner], args) -> list[dict[str, Any]]:
     train = evaluation.fashion_mnist(args.fashion_mnist_dir, "train").sample(args.probe_samples, seed=0)
     test = evaluation.fashion_mnist(args.fashion_mnist_dir, "test").sample(args.probe_samples, seed=1)
 
-    def features(run: Runner, images) -> torch.Tensor:
+    def batches(images) -> list[torch.Tensor]:  # preprocessed once, shared by every runner
         dataset = _PreprocessedImages(images, args.probe_resolution)
-        batches = [torch.stack([dataset[i] for i in range(s, min(s + 64, len(dataset)))])
-                   for s in range(0, len(dataset), 64)]  # fmt: skip
-        return torch.cat([run(batch)[1] for batch in batches])  # (N, D) pooler outputs
+        return [torch.stack([dataset[i] for i in range(s, min(s + 64, len(dataset)))])
+                for s in range(0, len(dataset), 64)]  # fmt: skip
+
+    train_batches, test_batches = batches(train), batches(test)
+
+    def features(run: Runner, pixel_batches: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([run(batch)[1] for batch in pixel_batches])  # (N, D) pooler outputs
 
     correct = {}
     for name, run in runners.items():
-        predicted = evaluation.knn_classify(features(run, train), train.labels, features(run, test), num_classes=10)
+        reference, queries = features(run, train_batches), features(run, test_batches)
+        predicted = evaluation.knn_classify(reference, train.labels, queries, num_classes=10)
         correct[name] = predicted.numpy() == np.asarray(test.labels)
     rows = []
     for name, right in correct.items():

@@ -194,7 +194,7 @@ def quantize_onnx_int8(onnx_path: str | Path, output: str | Path) -> Path:
     of every MatMul, activations quantized per call), which runs on ONNX Runtime's CPU provider. The metadata
     (budget, patch size, outputs) is kept and gains `weights: int8`.
 
-    Speed and what int8 does to the features are measured in docs/performance.md ("Which precision on my CPU?").
+    Speed and what int8 does to the features are measured in docs/performance.md ("int8").
 
     Args:
         onnx_path (`str` or `Path`): an fp32 file written by [`export_onnx`].
