@@ -357,7 +357,7 @@ def gain_kept_met(kept_fraction: float, high_gain: float, threshold: float) -> b
 
 def summarize(args: StudyArguments, paths: dict, probe_results: list, alignment: list, timings: dict) -> dict:
     """One row per model (and budget) with every measurement; the four targets with 95% paired-bootstrap intervals."""
-    from veca_hf import evaluation
+    from veca_hf import evaluation, hardware
 
     distill = {kind: json.loads((paths[kind] / "distill_results.json").read_text()) for kind in ("veca", "dense")}
     validation = {kind: result["validation"] for kind, result in distill.items()}
@@ -449,6 +449,8 @@ def summarize(args: StudyArguments, paths: dict, probe_results: list, alignment:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
+            "cpu_model": hardware.cpu_model(),
+            "cpu_kind": hardware.cpu_kind(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,

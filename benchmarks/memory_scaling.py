@@ -395,10 +395,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from veca_hf.hardware import cpu_model
+    from veca_hf.hardware import cpu_kind, cpu_model
 
     machine = {
         "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(),
         "platform": platform.platform(),
         "torch_version": torch.__version__,
         "threads": args.threads or torch.get_num_threads(),

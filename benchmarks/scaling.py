@@ -71,6 +71,7 @@ from scaling_report import markdown, one_line, plot, summarize, summary_lines, t
 
 from veca_hf import VecaConfig
 from veca_hf.flops import num_patches_for
+from veca_hf.hardware import slow_bf16_warning
 
 
 # MLP width of the DINOv3 release that each VECA size is distilled from (DINOv3-S/16, -B/16, -L/16: 4 x hidden).
@@ -388,13 +389,13 @@ def main(argv: list[str] | None = None) -> dict:
     if machine.get("bf16"):
         bf16 = machine["bf16"]
         timing = (
-            f"; torch.mm {bf16['mm_size']}^2 fp32 {bf16['fp32_gflops_per_s']:.1f}, bf16 "
-            f"{bf16['bf16_gflops_per_s']:.1f} "
-            f"GFLOP/s (x{bf16['bf16_speedup']:.2f})"
+            f"; torch.mm {bf16['mm_size']}^2 fp32 {bf16['fp32_gflops_per_s']:.1f}, {bf16['bf16_mm_size']}^2 bf16 "
+            f"{bf16['bf16_gflops_per_s']:.1f} GFLOP/s; F.linear fp32 {bf16['linear_fp32_gflops_per_s']:.1f}, bf16 "
+            f"{bf16['linear_bf16_gflops_per_s']:.1f} GFLOP/s"
             if bf16.get("mm_size")
             else ""
         )
-        log(f"CPU bf16: flags {bf16['flags']}{timing}; fast bf16: {bf16['fast_bf16']}")
+        log(f"CPU {bf16['cpu_kind']}: flags {bf16['flags']}{timing}; fast bf16: {bf16['fast_bf16']}")
     gemm_start = measure_gemm(args.gemm_size, gemm_dtype, device, args.gemm_repeats)
     log(f"GEMM {args.gemm_size}^2 {args.dtype}: {statistics.median(gemm_start) / 1e9:.1f} GFLOP/s (start)")
 
@@ -416,10 +417,11 @@ def main(argv: list[str] | None = None) -> dict:
             "modules in the whole step."
         )
     if device.type == "cpu" and gemm_dtype == torch.bfloat16 and cpu_has_fast_bf16(machine) is False:
+        # The F.linear rates are measured now (veca_hf.hardware); machine["bf16"] holds torch.mm's.
         warning = (
-            f"This CPU ({machine['cpu_capability']}) has neither AVX512-BF16 nor AMX: torch's bf16 matmuls fall back "
-            "to slow kernels (seen here: bf16 torch.mm ~50x slower than fp32, and F.linear faster than torch.mm), so "
-            "bf16 timings mostly measure that fallback and the GEMM fraction can exceed 1."
+            f"--dtype {args.dtype}: "
+            + (slow_bf16_warning(device) or "this CPU's torch.mm ran slower in bf16 than in fp32.")
+            + " The bf16 timings below mostly measure those fallback kernels, and the GEMM fraction can exceed 1."
         )
         notes.append(warning)
         log("WARNING: " + warning)

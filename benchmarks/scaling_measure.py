@@ -17,7 +17,7 @@ import common  # noqa: F401 - first: the offline Hub defaults, and veca_hf from 
 import torch
 from torch import nn
 
-from veca_hf.hardware import cpu_bf16_support, cpu_model
+from veca_hf.hardware import cpu_bf16_support, cpu_kind, cpu_model
 from veca_hf.model.modeling_veca import VecaCorePeripheryAttention
 
 
@@ -86,6 +86,7 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(),  # amx / avx512_bf16 / no native bf16
         "cpu_count": os.cpu_count(),
         "torch_num_threads": torch.get_num_threads(),
         "device": args.device,

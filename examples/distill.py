@@ -44,6 +44,7 @@ from veca_hf.data import (
     parse_storage_options,
     resize_batch,
 )
+from veca_hf.hardware import warn_if_slow_bf16
 from veca_hf.hub import resolve_teacher_on_all_ranks
 from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
 from veca_hf.training.checkpointing import (
@@ -350,6 +351,8 @@ def set_up_logging(accelerator: Accelerator) -> None:
         f"Mixed precision: {accelerator.mixed_precision}; {accelerator.num_processes} process(es) on "
         f"{accelerator.device}."
     )
+    if accelerator.is_main_process and accelerator.mixed_precision == "bf16":
+        warn_if_slow_bf16(accelerator.device, "mixed precision bf16")
 
 
 def load_teacher(accelerator: Accelerator, model_args: ModelArguments, args) -> Teacher:
@@ -369,6 +372,8 @@ def load_teacher(accelerator: Accelerator, model_args: ModelArguments, args) -> 
         teacher = AutoModel.from_pretrained(teacher_path)
     teacher.requires_grad_(False).eval().to(accelerator.device)
     dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
+    if accelerator.is_main_process and dtype == torch.bfloat16:
+        warn_if_slow_bf16(accelerator.device, "--teacher_dtype bf16")
     return Teacher(teacher, str(teacher_path), dtype, model_args.teacher_micro_batch_size)
 
 

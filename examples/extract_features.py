@@ -42,6 +42,7 @@ from veca_hf.embedding import (
     remove_partial_files,
     summarize,
 )
+from veca_hf.hardware import warn_if_slow_bf16
 
 
 logger = logging.getLogger("veca_hf.extract_features")
@@ -100,6 +101,8 @@ class ExtractionArguments:
 
 
 def load_model_and_processor(args: ExtractionArguments, device: torch.device):
+    if args.dtype == "bf16":
+        warn_if_slow_bf16(device, "--dtype bf16")
     model = AutoModel.from_pretrained(args.model_name_or_path, dtype=DTYPES[args.dtype]).to(device).eval()
     config = model.config
     if config.model_type == "veca":

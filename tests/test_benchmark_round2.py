@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import random_pil_images
 
+from veca_hf.hardware import cpu_kind
+
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -83,6 +85,7 @@ def test_train_mode_counts_training_flops(train_run):
             assert p["num_tokens"] == p["num_patches"] + 1
     assert "Training targets" in stdout
     assert result["machine"]["bf16"]["mm_size"] == 64 and "fast_bf16" in result["machine"]["bf16"]
+    assert result["machine"]["cpu_kind"] == cpu_kind() == result["machine"]["bf16"]["cpu_kind"]
 
 
 def test_train_mode_paired_ratios_are_medians_of_per_round_ratios(train_run):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel, ViTConfig
 
 from veca_hf import VecaConfig, VecaModel
+from veca_hf.hardware import cpu_bf16_support
 from veca_hf.training.distillation import dense_student_config
 
 
@@ -334,6 +335,9 @@ def test_launcher_mixed_precision_is_used_unless_the_flag_is_given(workspace, tm
         distill_args(workspace, tmp_path / "launcher", **common), env={"ACCELERATE_MIXED_PRECISION": "bf16"}
     )
     assert first_log_line(result).endswith("Mixed precision: bf16; 1 process(es) on cpu.")
+    # bf16 runs as asked; where this CPU lacks bf16 instructions the log says, measured, how much slower it is.
+    slow_bf16 = cpu_bf16_support(measure_size=None)["fast_bf16"] is False
+    assert ("mixed precision bf16: this CPU" in result.stderr and "x slower" in result.stderr) == slow_bf16
     result = run_distill(
         distill_args(workspace, tmp_path / "flag", mixed_precision="no", **common),
         env={"ACCELERATE_MIXED_PRECISION": "bf16"},

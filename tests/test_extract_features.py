@@ -5,6 +5,7 @@ saved model through the saved processor, across processes, after a SIGKILL, over
 import importlib.util
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from shard_server import ShardServer
 from test_distill_script import ROOT, run_env, two_cpu_processes
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTModel
 
-from veca_hf import VecaImageProcessor, VecaModel
+from veca_hf import VecaImageProcessor, VecaModel, hardware
 from veca_hf.embedding import part_info, resolution_overrides
 
 
@@ -205,7 +206,7 @@ def test_each_image_at_its_own_size_equals_its_own_forward(model_dir, image_fold
     assert len({(row["grid_height"], row["grid_width"]) for row in rows.values()}) > 3  # really mixed sizes
 
 
-def test_webdataset_keys_are_the_ids_and_dino_models_work_too(tmp_path):
+def test_webdataset_keys_are_the_ids_and_dino_models_work_too_in_bf16(tmp_path, monkeypatch, caplog):
     shards = tmp_path / "tars"
     shards.mkdir()
     rng = np.random.default_rng(2)
@@ -221,8 +222,12 @@ def test_webdataset_keys_are_the_ids_and_dino_models_work_too(tmp_path):
     dino = tmp_path / "dino"
     DINOv3ViTModel(tiny_dinov3_config()).save_pretrained(dino)
     VecaImageProcessor.for_resolution(32).save_pretrained(dino)  # any processor; this one gives 32 px crops
-    load_script().main(["--model_name_or_path", str(dino), "--dataset_name", str(shards), "--output_dir",
-                        str(tmp_path / "out"), "--dataloader_num_workers", "0"])  # fmt: skip
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})  # a CPU without bf16 instructions
+    with caplog.at_level(logging.WARNING, logger="veca_hf.hardware"):
+        load_script().main(["--model_name_or_path", str(dino), "--dataset_name", str(shards), "--output_dir",
+                            str(tmp_path / "out"), "--dataloader_num_workers", "0", "--dtype", "bf16"])  # fmt: skip
+    assert any(message.startswith("--dtype bf16: this CPU") for message in caplog.messages)
+    assert json.loads((tmp_path / "out" / "metadata.json").read_text())["dtype"] == "bf16"  # run as asked
     rows = rows_of(tmp_path / "out")
     assert sorted(rows) == [f"sample-{s}{r}" for s in range(2) for r in range(3)]
     assert len(rows["sample-00"]["embedding"]) == tiny_dinov3_config().hidden_size

@@ -4,20 +4,35 @@
 bf16 on a CPU is fast only where the CPU has bf16 dot-product instructions (AVX512-BF16, or AMX tiles); elsewhere
 torch's bf16 matmuls fall back to slow kernels (seen: under 1 GFLOP/s on an AMD EPYC without them, 2.2x fp32 on one
 with `avx512_bf16`). [`cpu_bf16_support`] reads the flags and can time `torch.mm` in both dtypes, so a benchmark can
-say which case it ran in. Only `torch` is imported here.
+say which case it ran in, and [`warn_if_slow_bf16`] tells a user who asked for bf16 on such a CPU how much slower it
+will be, measured on the spot. Only `torch` is imported here.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import platform
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
-__all__ = ["cpu_bf16_support", "cpu_flags", "cpu_model", "matmul_throughput"]
+__all__ = [
+    "cpu_bf16_support",
+    "cpu_flags",
+    "cpu_kind",
+    "cpu_model",
+    "linear_throughput",
+    "matmul_throughput",
+    "slow_bf16_warning",
+    "warn_if_slow_bf16",
+]
+
+logger = logging.getLogger(__name__)
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -42,6 +57,18 @@ def cpu_model() -> str | None:
     except OSError:
         pass
     return platform.processor() or None
+
+
+def cpu_kind(flags: set[str] | None = None) -> str | None:
+    """Which bf16 instructions the CPU has, the kind the docs' precision table is keyed by: `"amx"` (`amx_bf16`),
+    `"avx512_bf16"`, `"no native bf16"`, or `None` where the flags cannot be read. `flags` defaults to
+    [`cpu_flags`]."""
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return None
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else "no native bf16"
 
 
 def _torch_probe(name: str) -> bool | None:
@@ -87,6 +114,32 @@ def matmul_throughput(
     return 2 * size**3 / samples[len(samples) // 2]
 
 
+def linear_throughput(
+    dtype: torch.dtype = torch.float32, tokens: int = 512, features: int = 768, repeats: int = 3
+) -> float:
+    """Achieved FLOP/s of `F.linear` with a bias on a `(tokens, features)` input and a `(features, features)` weight
+    on the CPU: the op the models' projections run, which takes other kernels than `torch.mm` (without bf16
+    instructions a bf16 `F.linear` runs about 6x slower than fp32, a bf16 `torch.mm` about 50x). Median of `repeats`
+    timed calls after one untimed call.
+
+    Returns:
+        `float`: FLOP/s (multiply-add = 2).
+    """
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(tokens, features, generator=generator).to(dtype)
+    weight = torch.randn(features, features, generator=generator).to(dtype)
+    bias = torch.randn(features, generator=generator).to(dtype)
+    samples = []
+    with torch.inference_mode():
+        for index in range(repeats + 1):
+            start = time.perf_counter()
+            F.linear(x, weight, bias)
+            if index:
+                samples.append(time.perf_counter() - start)
+    samples.sort()
+    return 2 * tokens * features**2 / samples[len(samples) // 2]
+
+
 def cpu_bf16_support(measure_size: int | None = 2048, repeats: int = 3) -> dict[str, Any]:
     """Whether this CPU runs bf16 fast: its flags, torch's probes, and optionally measured `torch.mm` throughputs.
 
@@ -100,9 +153,10 @@ def cpu_bf16_support(measure_size: int | None = 2048, repeats: int = 3) -> dict[
         repeats (`int`, *optional*, defaults to 3): timed calls per dtype.
 
     Returns:
-        `dict`: `cpu_model`, `flags` (the bf16-related flags present), `torch_avx512_bf16`, `torch_amx_tile`,
-        `cpu_capability`, and with timing `mm_size`, `fp32_gflops_per_s`, `bf16_gflops_per_s`, `bf16_speedup`;
-        then `fast_bf16`.
+        `dict`: `cpu_model`, `cpu_kind` ([`cpu_kind`]), `flags` (the bf16-related flags present),
+        `torch_avx512_bf16`, `torch_amx_tile`, `cpu_capability`, and with timing `mm_size`, `bf16_mm_size` (at most
+        1024 without bf16 instructions), `fp32_gflops_per_s`, `bf16_gflops_per_s`, `bf16_speedup` (of `torch.mm`),
+        `linear_fp32_gflops_per_s` and `linear_bf16_gflops_per_s` ([`linear_throughput`]); then `fast_bf16`.
     """
     flags = cpu_flags()
     capability = None
@@ -112,6 +166,7 @@ def cpu_bf16_support(measure_size: int | None = 2048, repeats: int = 3) -> dict[
         pass
     info: dict[str, Any] = {
         "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(flags),
         "flags": None if flags is None else sorted(f for f in BF16_FLAGS if f in flags),
         "torch_avx512_bf16": _torch_probe("_is_avx512_bf16_supported"),
         "torch_amx_tile": _torch_probe("_is_amx_tile_supported"),
@@ -126,10 +181,56 @@ def cpu_bf16_support(measure_size: int | None = 2048, repeats: int = 3) -> dict[
         has_instructions = None
     fast = has_instructions
     if measure_size:
+        # NOTE: without bf16 instructions a 2048^2 bf16 torch.mm takes about a minute; 1024^2 tells the same.
+        bf16_size = measure_size if has_instructions is not False else min(measure_size, 1024)
         fp32 = matmul_throughput(measure_size, torch.float32, "cpu", repeats)
-        bf16 = matmul_throughput(measure_size, torch.bfloat16, "cpu", repeats)
-        info.update(mm_size=measure_size, fp32_gflops_per_s=fp32 / 1e9, bf16_gflops_per_s=bf16 / 1e9,
-                    bf16_speedup=bf16 / fp32)  # fmt: skip
+        bf16 = matmul_throughput(bf16_size, torch.bfloat16, "cpu", repeats)
+        linear_fp32, linear_bf16 = _linear_rates_gflops(torch.get_num_threads())
+        info.update(mm_size=measure_size, bf16_mm_size=bf16_size, fp32_gflops_per_s=fp32 / 1e9,
+                    bf16_gflops_per_s=bf16 / 1e9, bf16_speedup=bf16 / fp32, linear_fp32_gflops_per_s=linear_fp32,
+                    linear_bf16_gflops_per_s=linear_bf16)  # fmt: skip
         fast = bool(has_instructions is not False and bf16 >= fp32)
     info["fast_bf16"] = fast
     return info
+
+
+@functools.cache
+def _linear_rates_gflops(num_threads: int) -> tuple[float, float]:
+    """(fp32, bf16) `F.linear` GFLOP/s on this CPU with `num_threads` threads; measured once per process."""
+    return linear_throughput(torch.float32) / 1e9, linear_throughput(torch.bfloat16) / 1e9
+
+
+def slow_bf16_warning(device: str | torch.device = "cpu") -> str | None:
+    """The warning for running bf16 on `device`, or `None` where bf16 is not known to be slow there.
+
+    On a CPU whose flags list neither `avx512_bf16` nor `amx_bf16`, times the models' projection op (`F.linear`) in
+    fp32 and bf16 with the current threads (about 0.3 s, once per process) and says how much slower bf16 is. GPUs,
+    CPUs with bf16 instructions and CPUs whose flags cannot be read give `None`.
+
+    Args:
+        device (`str` or `torch.device`, *optional*, defaults to `"cpu"`): where bf16 would run.
+
+    Returns:
+        `str` or `None`: the warning text, with both measured rates and the slowdown.
+    """
+    device = torch.device(device)
+    if device.type != "cpu" or cpu_bf16_support(measure_size=None)["fast_bf16"] is not False:
+        return None
+    fp32, bf16 = _linear_rates_gflops(torch.get_num_threads())
+    return (
+        f"this CPU ({cpu_model() or 'unknown model'}) has neither avx512_bf16 nor amx_bf16, so torch runs bf16 "
+        f"matmuls on slow fallback kernels: measured now, a bf16 F.linear ran at {bf16:.1f} GFLOP/s against "
+        f"{fp32:.1f} in fp32, so bf16 will be about {fp32 / bf16:.1f}x slower, not faster. Use fp32 on this CPU; "
+        "bf16 pays off on CPUs with AVX512-BF16 or AMX and on GPUs (docs/performance.md, 'Which precision should I "
+        "use on my CPU?')."
+    )
+
+
+def warn_if_slow_bf16(device: str | torch.device, requested_by: str) -> str | None:
+    """Logs [`slow_bf16_warning`] for `device`, naming what asked for bf16 (e.g. `"--dtype bf16"`); runs bf16 anyway
+    (a warning, never a silent switch to fp32). Returns the text, or `None` when there was nothing to say."""
+    text = slow_bf16_warning(device)
+    if text is not None:
+        text = f"{requested_by}: {text}"
+        logger.warning(text)
+    return text

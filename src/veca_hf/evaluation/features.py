@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 from transformers.utils import logging
 
+from ..hardware import warn_if_slow_bf16
 from .datasets import ImageSet, _sha1, preprocess_image
 
 
@@ -241,6 +242,8 @@ class ProbeModel:
             import veca_hf  # noqa: F401  (registers VECA with AutoModel)
 
             logger.info(f"Loading {self.name_or_path}")
+            if self.dtype == torch.bfloat16:
+                warn_if_slow_bf16(self.device, f"{self.name} in bfloat16")
             model, info = AutoModel.from_pretrained(self.name_or_path, dtype=self.dtype, output_loading_info=True)
             # NOTE: a backbone with freshly initialised weights would be probed without a word (transformers' load
             # report is a warning, often silenced): refuse it.
