@@ -13,9 +13,13 @@ script checks that (max abs difference of the outputs) before timing.
     python benchmarks/research_form.py --size veca-b16 --resolutions 512,1024 --budget 64 --repeats 5 --threads 2 \
         [--research_code PATH/TO/VECA]
 
+`--mode train` times one training step of each instead (both in train mode, forward under `--dtype`'s autocast, the
+mean square of the outputs as the loss, backward, AdamW): the research code's own train-time position augmentations
+run in its step, VECA's in VECA's.
+
 Timing as in `scaling.py`: interleaved rounds (the order alternates), latency = median, and the paired ratio = the
 median over rounds of VECA's time over the baseline's in that round. Outputs in `--output_dir` (default
-`benchmarks/results/<size>_research_{code,form}_<device>_fp32`): `results.json`, `results.md`.
+`benchmarks/results/<size>_research_{code,form}_<device>_<dtype>[_train]`): `results.json`, `results.md`.
 """
 
 from __future__ import annotations
@@ -119,9 +123,11 @@ class ResearchFormVeca(nn.Module):
         return self.final_norm(x)
 
 
-def build_pair(size: str, tiny: bool, seed: int) -> tuple[ResearchFormVeca, VecaModel]:
+def build_pair(
+    size: str, tiny: bool, seed: int, num_hidden_layers: int | None = None
+) -> tuple[ResearchFormVeca, VecaModel]:
     """A seeded research-form model and the `VecaModel` converted from its weights."""
-    veca_config, _ = scaling.preset_configs(size, tiny, [8])
+    veca_config, _ = scaling.preset_configs(size, tiny, [8], num_hidden_layers)
     torch.manual_seed(seed)
     research = ResearchFormVeca(
         veca_config.hidden_size,
@@ -159,9 +165,11 @@ def load_research_code(path: str) -> type[nn.Module]:
     return module.VECA
 
 
-def build_research_code_pair(size: str, tiny: bool, seed: int, path: str) -> tuple[nn.Module, VecaModel]:
+def build_research_code_pair(
+    size: str, tiny: bool, seed: int, path: str, num_hidden_layers: int | None = None
+) -> tuple[nn.Module, VecaModel]:
     """The research code's model for the size (seeded, eval mode) and the `VecaModel` converted from its weights."""
-    veca_config, _ = scaling.preset_configs(size, tiny, [8])
+    veca_config, _ = scaling.preset_configs(size, tiny, [8], num_hidden_layers)
     research_settings = types.SimpleNamespace(  # the research code's config fields, at its defaults but the size
         num_query_tokens=veca_config.core_bank_size,
         nested_chunk_size=veca_config.core_chunk_size,
@@ -211,12 +219,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="Timed rounds.")
     parser.add_argument("--output_dir", default=None)
     parser.add_argument("--research_code", default=None, help="A clone of the research code: the baseline.")
+    parser.add_argument(
+        "--mode", default="forward", choices=["forward", "train"], help="Inference calls, or training steps."
+    )
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16_autocast"], help="Both models' compute.")
+    parser.add_argument("--num_hidden_layers", type=int, default=None, help="Depth (default: the preset's).")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     if args.output_dir is None:
         baseline = "code" if args.research_code else "form"
-        name = f"{args.size}_research_{baseline}_{args.device}_fp32" + ("_tiny" if args.tiny else "")
+        name = f"{args.size}_research_{baseline}_{args.device}_{args.dtype}" + (
+            "_train" if args.mode == "train" else ""
+        )
+        name += "_tiny" if args.tiny else ""
         args.output_dir = str(Path(__file__).resolve().parent / "results" / name)
     return args
 
@@ -231,44 +247,76 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     if args.research_code:
         baseline_name = "research code"
-        research, model = build_research_code_pair(args.size, args.tiny, args.seed, args.research_code)
+        research, model = build_research_code_pair(
+            args.size, args.tiny, args.seed, args.research_code, args.num_hidden_layers
+        )
     else:
         baseline_name = "research form"
-        research, model = build_pair(args.size, args.tiny, args.seed)
+        research, model = build_pair(args.size, args.tiny, args.seed, args.num_hidden_layers)
     research, model = research.to(device), model.to(device)
-    calls = {
+    forwards = {
         "VECA": lambda pixels: model(pixels, num_core_tokens=args.budget).last_hidden_state,
         baseline_name: lambda pixels: research(pixels, args.budget),
     }
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.dtype == "bf16_autocast")
 
     def difference(pixels: torch.Tensor) -> float:
         """Max abs difference of the normed outputs; the research code returns core 1 and the patches only."""
-        veca, research_outputs = calls["VECA"](pixels), calls[baseline_name](pixels)
+        veca, research_outputs = forwards["VECA"](pixels), forwards[baseline_name](pixels)
         if isinstance(research_outputs, tuple):  # (B, D), (B, N, D)
             veca = torch.cat((veca[:, :1], veca[:, args.budget :]), dim=1)
             research_outputs = torch.cat((research_outputs[0][:, None], research_outputs[1]), dim=1)
         return (veca - research_outputs).abs().max().item()
 
+    def training_step(module: nn.Module, forward):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-5)
+
+        def step(pixels: torch.Tensor) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            with autocast:
+                outputs = forward(pixels)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            sum(output.float().square().mean() for output in outputs).backward()
+            optimizer.step()
+
+        return step
+
+    def inference_call(forward):
+        def call(pixels: torch.Tensor) -> None:
+            with torch.inference_mode(), autocast:
+                forward(pixels)
+
+        return call
+
+    modules = {"VECA": model, baseline_name: research}
     points = []
     generator = torch.Generator().manual_seed(args.seed)
     for resolution in args.resolutions:
         pixels = torch.randn(args.batch_size, 3, resolution, resolution, generator=generator).to(device)
         with torch.inference_mode():
-            max_abs_difference = difference(pixels)
-            for name in calls:
-                for _ in range(args.warmup):
-                    calls[name](pixels)
-            samples = {name: [] for name in calls}
-            for round_index in range(args.repeats):
-                order = list(calls) if round_index % 2 == 0 else list(reversed(calls))
-                for name in order:
-                    samples[name].append(scaling.time_call(lambda name=name, x=pixels: calls[name](x), device))
+            max_abs_difference = difference(pixels)  # fp32, eval mode, before any step changes the weights
+        if args.mode == "train":
+            calls = {name: training_step(modules[name].train(), forward) for name, forward in forwards.items()}
+        else:
+            calls = {name: inference_call(forward) for name, forward in forwards.items()}
+        for name in calls:
+            for _ in range(args.warmup):
+                calls[name](pixels)
+        samples = {name: [] for name in calls}
+        for round_index in range(args.repeats):
+            order = list(calls) if round_index % 2 == 0 else list(reversed(calls))
+            for name in order:
+                samples[name].append(scaling.time_call(lambda call=calls[name], x=pixels: call(x), device))
+        for module in modules.values():
+            module.eval()
         veca, baseline = samples["VECA"], samples[baseline_name]
         point = {
             "resolution": resolution,
             "num_patches": (resolution // model.config.patch_size) ** 2,
             "budget": args.budget,
             "batch_size": args.batch_size,
+            "mode": args.mode,
+            "dtype": args.dtype,
             "baseline": baseline_name,
             "max_abs_difference": max_abs_difference,
             "seconds": samples,
@@ -278,8 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
         }
         points.append(point)
         print(
-            f"{resolution} px: VECA {point['median_seconds']['VECA']:.3f} s, {baseline_name} "
-            f"{point['median_seconds'][baseline_name]:.3f} s, ratio {point['ratio']:.3f} (paired "
+            f"{resolution} px ({args.mode}, {args.dtype}): VECA {point['median_seconds']['VECA']:.3f} s, "
+            f"{baseline_name} {point['median_seconds'][baseline_name]:.3f} s, ratio {point['ratio']:.3f} (paired "
             f"{point['paired_ratio']:.3f}), max abs difference {max_abs_difference:.1e}",
             flush=True,
         )
@@ -290,15 +338,18 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine,
         "points": points,
     }
+    what = "training step" if args.mode == "train" else "forward"
     lines = [
-        f"# VECA against the {baseline_name}: {args.size}{' (tiny)' if args.tiny else ''}, {args.device}, fp32, "
-        f"batch {args.batch_size}, C = {args.budget}",
+        f"# VECA against the {baseline_name}: {args.size}{' (tiny)' if args.tiny else ''}, "
+        f"{model.config.num_hidden_layers} blocks, {args.device}, {args.dtype}, {what}, batch {args.batch_size}, "
+        f"C = {args.budget}",
         "",
         f"- command: `{result['command']}`",
         f"- machine: {machine['cpu_model']}; torch {machine['torch_version']}; {machine['torch_num_threads']} "
         f"threads; load average start {machine['loadavg_start']}, end {machine['loadavg_end']}; glibc malloc "
         f"settings {'veca_hf' if allocator['tuned'] else 'default'}",
-        f"- {args.warmup} warm-up call(s), {args.repeats} interleaved rounds; ratio = VECA / {baseline_name}",
+        f"- {args.warmup} warm-up call(s), {args.repeats} interleaved rounds; ratio = VECA / {baseline_name}"
+        + ("; a step: forward, mean-square loss of the outputs, backward, AdamW" if args.mode == "train" else ""),
         "",
         f"| res | N | VECA s | {baseline_name} s | ratio (paired) | max abs difference |",
         "|---|---|---|---|---|---|",

@@ -46,6 +46,7 @@ import gc
 import shlex
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budgets", type=common.int_list, default=[8, 16, 32, 64], help="VECA budgets C.")
     parser.add_argument("--batch_sizes", type=common.int_list, default=[1])
     parser.add_argument(
+        "--num_hidden_layers", type=int, default=None, help="Depth of both models (default: the preset's)."
+    )
+    parser.add_argument(
         "--dtype",
         default="fp32",
         choices=sorted(DTYPES),
@@ -135,6 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend for --compile.")
     parser.add_argument(
+        "--compile_mode",
+        default=None,
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        help="torch.compile mode for --compile (max-autotune: inductor's tuned GEMM templates; compiles longer).",
+    )
+    parser.add_argument(
         "--cpu_inference_buffers",
         action="store_true",
         help="Model mode: run VECA inside veca_hf.inference.cpu_inference_buffers (blocks share their large "
@@ -173,6 +183,8 @@ def build_configs(args: argparse.Namespace):
     from transformers import DINOv3ViTConfig
 
     overrides = dict(TINY) if args.tiny else {}
+    if args.num_hidden_layers is not None:
+        overrides["num_hidden_layers"] = args.num_hidden_layers
     veca_config = VecaConfig.from_preset(args.size, **overrides)
     for budget in args.budgets:
         veca_config.check_budget(budget, name="--budgets")
@@ -190,10 +202,12 @@ def build_configs(args: argparse.Namespace):
     return veca_config, dinov3_config
 
 
-def preset_configs(size: str, tiny: bool, budgets: list[int]):
+def preset_configs(size: str, tiny: bool, budgets: list[int], num_hidden_layers: int | None = None):
     """`build_configs` for the other benchmark scripts: the preset `size` (or `--tiny`), default settings otherwise."""
     argv = ["--size", size, "--budgets", ",".join(map(str, budgets)), "--output_dir", "unused"]
-    return build_configs(parse_args(argv + (["--tiny"] if tiny else [])))
+    argv += ["--tiny"] if tiny else []
+    argv += ["--num_hidden_layers", str(num_hidden_layers)] if num_hidden_layers is not None else []
+    return build_configs(parse_args(argv))
 
 
 # --- the benchmark -------------------------------------------------------------------------------------------------
@@ -239,10 +253,13 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
             for resolution, case in keys:
                 key = (resolution, case.label)
                 calls[key] = attempt(key, lambda r=resolution, case=case, batch=batch: case.make_call(r, batch))
+            first_call: dict[tuple, float] = {}  # the first warm-up call's seconds: with --compile, the compile too
             for _ in range(args.warmup):
                 for key, call in calls.items():
                     if call is not None:
+                        start = time.perf_counter()
                         attempt(key, call)
+                        first_call.setdefault(key, time.perf_counter() - start)
             # One round: the GEMM, then per resolution DINOv3 and each budget (rotated). Lists are indexed by round;
             # None where a call failed.
             samples: dict[tuple, list[float | None]] = {key: [] for key in calls}
@@ -261,7 +278,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                         if seconds is not None and faults_before is not None:
                             faults[key].append(minor_page_faults() - faults_before)
                     samples[key].append(seconds)
-            extra: dict[tuple, dict] = {key: {} for key in calls}
+            extra: dict[tuple, dict] = {key: {"first_call_s": first_call.get(key)} for key in calls}
             for resolution, case in keys:
                 key = (resolution, case.label)
                 call = calls[key]
@@ -329,6 +346,7 @@ def run_mode(mode, args, veca_config, dinov3_config, device, dtype, log) -> list
                 peak = extra[key].get("forward_peak_bytes")
                 weights = param_bytes(case.module)
                 point.update(
+                    first_call_s=extra[key]["first_call_s"],  # with --compile: compile + one call
                     attention_module_share=extra[key].get("attention_module_share"),
                     attention_core_share=extra[key].get("attention_core_share"),
                     forward_peak_mb=None if peak is None else peak / MIB,

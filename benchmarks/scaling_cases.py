@@ -178,7 +178,7 @@ def model_cases(args, veca_config, dinov3_config, device, dtype) -> list[Case]:
     dinov3 = DINOv3ViTModel(dinov3_config).to(device=device, dtype=dtype).eval()
     veca = VecaModel(veca_config).to(device=device, dtype=dtype).eval()
     # One graph per model for every budget and resolution (docs/usage.md); the first call compiles.
-    compile_kwargs = dict(dynamic=True, backend=args.compile_backend)
+    compile_kwargs = dict(dynamic=True, backend=args.compile_backend, mode=args.compile_mode)
     compiled_dinov3 = torch.compile(dinov3, **compile_kwargs) if args.compile else dinov3
     compiled_veca = torch.compile(veca, **compile_kwargs) if args.compile else veca
 

@@ -50,7 +50,7 @@ def _paired(numerators, denominators):
 def train_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("train")
     completed = run_script(
-        "scaling.py", "--tiny", "--size", "veca-s16", "--mode", "train", "--resolutions", "64,96",
+        "scaling.py", "--tiny", "--size", "veca-s16", "--num_hidden_layers", "1", "--mode", "train", "--resolutions", "64,96",
         "--budgets", ",".join(map(str, BUDGETS)), "--warmup", "0", "--repeats", str(REPEATS), "--profile_repeats", "1",
         "--threads", "1", "--gemm_size", "128", "--gemm_repeats", "1", "--bf16_probe_size", "64", "--no_plots",
         "--output_dir", str(output_dir),
@@ -69,7 +69,7 @@ def test_train_mode_counts_training_flops(train_run):
         import scaling
     finally:
         sys.path.remove(str(BENCHMARKS))
-    config = VecaConfig.from_preset("veca-s16", **scaling.TINY)
+    config = VecaConfig.from_preset("veca-s16", **{**scaling.TINY, "num_hidden_layers": 1})  # --num_hidden_layers 1
     dense = dense_student_config(config)
     assert len(result["points"]) == 2 * (1 + len(BUDGETS))
     for p in result["points"]:
@@ -262,6 +262,18 @@ def test_research_form_computes_veca_and_is_timed_in_pairs(tmp_path):
         veca, research = point["seconds"]["VECA"], point["seconds"]["research form"]
         assert len(veca) == len(research) == 3
         assert point["paired_ratio"] == pytest.approx(_paired(veca, research), rel=1e-12)
+
+
+def test_research_form_times_training_steps_under_autocast(tmp_path):
+    run_script("research_form.py", "--tiny", "--num_hidden_layers", "1", "--mode", "train", "--dtype",
+               "bf16_autocast", "--resolutions", "64", "--budget", "16", "--warmup", "1", "--repeats", "2",
+               "--threads", "1", "--output_dir", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    (point,) = result["points"]
+    assert point["mode"] == "train" and point["dtype"] == "bf16_autocast"
+    assert point["max_abs_difference"] < 1e-4  # compared in fp32 before the steps
+    assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in point["seconds"].values())
+    assert "1 blocks, cpu, bf16_autocast, training step" in (tmp_path / "results.md").read_text()
 
 
 def test_research_code_clone_is_checked_and_loaded_without_timm(tmp_path):

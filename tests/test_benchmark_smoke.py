@@ -176,6 +176,7 @@ def test_compiled_models_are_timed_with_one_graph_each(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["args"]["compile"] and result["args"]["no_profile"]
     assert all(p["latency_ms"]["median"] > 0 and p["flops_match"] for p in result["points"])
+    assert all(p["first_call_s"] > 0 for p in result["points"])  # compile + one call, for the compile time
     # the second budget and the second resolution reuse the first graph
     assert "Recompiling function forward" not in completed.stderr
 
