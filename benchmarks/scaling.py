@@ -73,6 +73,7 @@ from scaling_report import markdown, one_line, plot, summarize, summary_lines, t
 from veca_hf import VecaConfig
 from veca_hf.flops import num_patches_for
 from veca_hf.hardware import slow_bf16_warning
+from veca_hf.training.distillation import dense_student_config
 
 
 # MLP width of the DINOv3 release that each VECA size is distilled from (DINOv3-S/16, -B/16, -L/16: 4 x hidden).
@@ -484,6 +485,11 @@ def main(argv: list[str] | None = None) -> dict:
         "train_targets": targets,
         "notes": notes,
     }
+    if "train" in modes:  # train mode's "DINOv3" is the dense student, not dinov3_config
+        dense = dense_student_config(veca_config)
+        result["models"]["dense_student"] = {
+            k: getattr(dense, k) for k in (*shared, "num_register_tokens", "use_gated_mlp")
+        }
     common.write_results(output_dir, result, markdown(result))
     if not args.no_plots:
         plot(points, args, output_dir)

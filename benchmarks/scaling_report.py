@@ -211,7 +211,7 @@ def _ratio_cell(p: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    args, machine, gemm = result["args"], result["machine"], result["gemm"]
+    args, machine, gemm, models = result["args"], result["machine"], result["gemm"], result["models"]
     out = [
         f"# VECA vs DINOv3 scaling: {args['size']}{' (tiny)' if args['tiny'] else ''}, {args['device']}, "
         f"{args['dtype']}, {args['attn_implementation']}",
@@ -223,7 +223,8 @@ def markdown(result: dict) -> str:
         f"load average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}; "
         f"THP_MEM_ALLOC_ENABLE={machine.get('thp_mem_alloc_enable')}, kernel THP mode "
         f"{machine.get('transparent_hugepage')}",
-        f"- models: VECA {result['models']['veca']}; DINOv3 {result['models']['dinov3']}",
+        f"- models: VECA {models['veca']}; DINOv3 {models['dinov3']}"
+        + (f"; train mode's dense student {models['dense_student']}" if "dense_student" in models else ""),
         f"- GEMM reference: `torch.mm` {gemm['size']}x{gemm['size']} {args['dtype']}, timed in every interleaved "
         f"round (column `GEMM GFLOP/s`: the median of the rounds); alone at the start "
         f"{gemm['start_median_gflops_per_s']:.1f} and the end {gemm['end_median_gflops_per_s']:.1f} GFLOP/s",

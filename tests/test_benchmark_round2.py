@@ -50,10 +50,10 @@ def _paired(numerators, denominators):
 def train_run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("train")
     completed = run_script(
-        "scaling.py", "--tiny", "--size", "veca-s16", "--num_hidden_layers", "1", "--mode", "train", "--resolutions", "64,96",
-        "--budgets", ",".join(map(str, BUDGETS)), "--warmup", "0", "--repeats", str(REPEATS), "--profile_repeats", "1",
-        "--threads", "1", "--gemm_size", "128", "--gemm_repeats", "1", "--bf16_probe_size", "64", "--no_plots",
-        "--output_dir", str(output_dir),
+        "scaling.py", "--tiny", "--size", "veca-s16", "--num_hidden_layers", "1", "--mode", "train",
+        "--resolutions", "64,96", "--budgets", ",".join(map(str, BUDGETS)), "--warmup", "0",
+        "--repeats", str(REPEATS), "--profile_repeats", "1", "--threads", "1", "--gemm_size", "128",
+        "--gemm_repeats", "1", "--bf16_probe_size", "64", "--no_plots", "--output_dir", str(output_dir),
     )  # fmt: skip
     return json.loads((output_dir / "results.json").read_text()), completed.stdout
 
@@ -72,6 +72,10 @@ def test_train_mode_counts_training_flops(train_run):
     config = VecaConfig.from_preset("veca-s16", **{**scaling.TINY, "num_hidden_layers": 1})  # --num_hidden_layers 1
     dense = dense_student_config(config)
     assert len(result["points"]) == 2 * (1 + len(BUDGETS))
+    assert (
+        result["models"]["dense_student"]["use_gated_mlp"]
+        and result["models"]["dense_student"]["num_hidden_layers"] == 1
+    )
     for p in result["points"]:
         assert p["error"] is None and p["flops_counted"] == p["flops_analytic"] and p["flops_match"], p
         r = p["resolution"]
