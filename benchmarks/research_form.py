@@ -229,10 +229,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     if args.output_dir is None:
         baseline = "code" if args.research_code else "form"
-        name = f"{args.size}_research_{baseline}_{args.device}_{args.dtype}" + (
-            "_train" if args.mode == "train" else ""
-        )
-        name += "_tiny" if args.tiny else ""
+        suffix = ("_train" if args.mode == "train" else "") + ("_tiny" if args.tiny else "")
+        name = f"{args.size}_research_{baseline}_{args.device}_{args.dtype}{suffix}"
         args.output_dir = str(Path(__file__).resolve().parent / "results" / name)
     return args
 
