@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from veca_hf import VecaModel
+from veca_hf.hardware import warn_if_slow_bf16
 from veca_hf.training.distillation import (
     DistillationLoss,
     StudentWithLoss,
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine["cpu_allocator"] = allocator
     teacher, students, patch_size = build(args, device)
     teacher_autocast = torch.bfloat16 if args.teacher_dtype == "bf16" else None
+    for flag, value in (("--dtype", args.dtype), ("--teacher_dtype", args.teacher_dtype)):
+        if value.startswith("bf16"):
+            warn_if_slow_bf16(device, f"{flag} {value}")
 
     def student_context():
         if args.dtype == "bf16_autocast":

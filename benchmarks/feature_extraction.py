@@ -41,6 +41,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTImageProcessor, DINOv3ViTModel, pipeline
 
 from veca_hf import VecaImageProcessor, VecaModel
+from veca_hf.hardware import warn_if_slow_bf16
 
 
 PATHS = ("pipeline", "loop", "model")
@@ -154,6 +155,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict], dict]:
     machine = scaling_measure.machine_info(argparse.Namespace(device=args.device, bf16_probe_size=0))
     machine["cpu_allocator"] = allocator
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if dtype == torch.bfloat16:
+        warn_if_slow_bf16(args.device, "--dtype bf16")
     device = torch.device(args.device)
     cells: dict[tuple, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
