@@ -166,7 +166,7 @@ def cpu_bf16_support(measure_size: int | None = 2048, repeats: int = 3) -> dict[
         pass
     info: dict[str, Any] = {
         "cpu_model": cpu_model(),
-        "cpu_kind": cpu_kind(flags),
+        "cpu_kind": None if flags is None else cpu_kind(flags),
         "flags": None if flags is None else sorted(f for f in BF16_FLAGS if f in flags),
         "torch_avx512_bf16": _torch_probe("_is_avx512_bf16_supported"),
         "torch_amx_tile": _torch_probe("_is_amx_tile_supported"),
@@ -174,7 +174,7 @@ def cpu_bf16_support(measure_size: int | None = 2048, repeats: int = 3) -> dict[
         "num_threads": torch.get_num_threads(),
     }
     if flags is not None:
-        has_instructions = bool({"avx512_bf16", "amx_bf16"} & flags)
+        has_instructions = info["cpu_kind"] != "no native bf16"
     elif info["torch_avx512_bf16"] is not None or info["torch_amx_tile"] is not None:
         has_instructions = bool(info["torch_avx512_bf16"] or info["torch_amx_tile"])
     else:
