@@ -1,6 +1,6 @@
 """Smoke tests of the benchmarks: training mode of `benchmarks/scaling.py`, `memory_scaling.py`,
-`precision_check.py`, `int8_check.py`, `distill_step.py` and `gpu_check.sh`. FLOP counts, JSON structure and the
-arithmetic of the reported ratios and fits are asserted; wall-clock times never are."""
+`precision_check.py`, `int8_check.py`, `distill_step.py`, `attention_kernels.py` and `gpu_check.sh`. FLOP counts,
+JSON structure and the arithmetic of the reported ratios and fits are asserted; wall-clock times never are."""
 
 import json
 import math
@@ -278,6 +278,33 @@ def test_research_form_times_training_steps_under_autocast(tmp_path):
     assert point["max_abs_difference"] < 1e-4  # compared in fp32 before the steps
     assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in point["seconds"].values())
     assert "1 blocks, cpu, bf16_autocast, training step" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_attention_kernels_agree_and_are_timed_in_pairs(tmp_path, backward):
+    run_script("attention_kernels.py", "--tiny", "--resolutions", "64", "--budgets", "8", "--dtypes", "fp32,bf16",
+               "--rounds", "3", "--calls", "2", "--threads", "1", "--output_dir", str(tmp_path),
+               *(["--backward"] if backward else []))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    points = {(p["dtype"], p["call"]): p for p in result["points"]}
+    assert set(points) == {(d, c) for d in ("fp32", "bf16") for c in ("cores", "patches")}
+    num_patches = (64 // 16) ** 2
+    for (dtype, call), point in points.items():
+        assert (point["queries"], point["keys"]) == ((8, 8 + num_patches) if call == "cores" else (num_patches, 8))
+        tolerance = 1e-5 if dtype == "fp32" else 5e-2  # bf16 inputs' rounding, both forms alike
+        assert max(point["max_abs_error_to_fp32_sdpa"].values()) <= tolerance
+        seconds = point["seconds"]
+        assert len(seconds["sdpa"]) == len(seconds["matmul"]) == 3 and min(seconds["sdpa"] + seconds["matmul"]) > 0
+        assert point["paired_ratio"] == pytest.approx(_paired(seconds["matmul"], seconds["sdpa"]), rel=1e-12)
+    markdown = (tmp_path / "results.md").read_text()
+    assert ("forward + backward" in markdown) == backward
+    assert f"| bf16 | 64 | {num_patches} | 8 | patches | {num_patches} x 8 |" in markdown
+
+
+def test_attention_kernels_rejects_unknown_dtype():
+    completed = subprocess.run([sys.executable, str(BENCHMARKS / "attention_kernels.py"), "--dtypes", "fp16"],
+                               cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert completed.returncode == 2 and "--dtypes 'fp16'" in completed.stderr and "bf16" in completed.stderr
 
 
 def test_research_code_clone_is_checked_and_loaded_without_timm(tmp_path):
