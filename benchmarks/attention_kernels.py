@@ -21,9 +21,7 @@ a training step). Outputs in `--output_dir`: `results.json` and `results.md` (a 
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
 import common  # first: the offline Hub defaults, and veca_hf from a source checkout
@@ -144,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                     )
     machine["loadavg_end"] = scaling_measure.loadavg()
     result = {
-        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": common.command_line(argv),
         "args": vars(args),
         "machine": machine,
         "heads": heads,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -72,6 +73,11 @@ def apply_cpu_allocator(args: argparse.Namespace) -> dict:
         os.environ.pop("VECA_HF_TUNE_MALLOC", None)
         veca_hf.tune_cpu_allocator()
     return veca_hf.cpu_allocator_state()
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command a results file records: `python SCRIPT ARGS`, with `argv` when `main(argv)` was called directly."""
+    return shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_results(output_dir: Path, result: dict, markdown: str | None = None) -> None:

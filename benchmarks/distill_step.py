@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -187,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"({shares})  x{point['paired_ratio_vs_dense']:.3f} dense (paired)", flush=True)  # fmt: skip
     bf16_ok = all(a["within_tolerance"] for a in agreement.values())
     result = {
-        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": common.command_line(argv),
         "args": vars(args),
         "machine": machine,
         "teacher": {

@@ -25,9 +25,7 @@ Outputs in `--output_dir` (default `benchmarks/results/<size>_feature_extraction
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -266,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     cells, machine = measure(args)
     args_record = {key: value for key, value in vars(args).items() if key != "image_wh"}
     result = {
-        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": common.command_line(argv),
         "args": args_record,
         "machine": machine,
         "cells": cells,

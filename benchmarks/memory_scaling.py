@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -437,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{phase:9s} {model:6s} {resolution:5d} px  {shown}", flush=True)
     summary = summarize(points, args)
     result = {
-        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": common.command_line(argv),
         "args": vars(args),
         "machine": machine,
         "points": points,

@@ -31,8 +31,6 @@ import argparse
 import contextlib
 import copy
 import json
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     flush=True,
                 )
     result = {
-        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": common.command_line(argv),
         "args": vars(args),
         "machine": machine,
         "weights": {"VECA": args.veca_model or "random", "DINOv3": args.dinov3_model or "random"},

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import shlex
 import statistics
 import sys
 import types
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     machine["loadavg_end"] = scaling_measure.loadavg()
     result = {
-        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": common.command_line(argv),
         "args": vars(args),
         "machine": machine,
         "points": points,

@@ -43,9 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -465,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
     targets = train_targets(points, args) if "train" in modes else []
     shared = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     result = {
-        "command": shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": common.command_line(argv),
         "args": vars(args),
         "machine": machine,
         "models": {
