@@ -212,6 +212,86 @@ def test_every_parameter_gets_a_gradient_at_full_budget(pixel_values):
     assert missing == []
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _plain_rope(x, cos, sin):
+    """RoPE as autograd sees the textbook formula, cos/sin segments broadcast and concatenated first."""
+
+    def concatenated(segments):
+        if torch.is_tensor(segments):
+            return segments
+        leading = torch.broadcast_shapes(*(segment.shape[:-2] for segment in segments))
+        return torch.cat([segment.expand(*leading, *segment.shape[-2:]) for segment in segments], dim=-2)
+
+    cos, sin = concatenated(cos).to(x.dtype), concatenated(sin).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+@pytest.mark.parametrize("per_image_patches", [False, True])
+def test_rope_gradient_is_the_formula_gradient(per_image_patches):
+    from veca_hf.model.positions_veca import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    f64 = torch.float64
+    x = torch.randn(2, 3, 4, 4 + 5, 8, dtype=f64, requires_grad=True)  # (q/k, B, H, C + N, Hd)
+    core_cos, core_sin = (torch.randn(3, 1, 4, 8, dtype=f64, requires_grad=True) for _ in range(2))
+    patch_rows = 3 if per_image_patches else 1
+    patch_cos, patch_sin = (torch.randn(patch_rows, 1, 5, 8, dtype=f64, requires_grad=True) for _ in range(2))
+    inputs = (x, core_cos, core_sin, patch_cos, patch_sin)
+
+    def segmented(x, core_cos, core_sin, patch_cos, patch_sin):
+        return apply_rotary_pos_emb(x, (core_cos, patch_cos), (core_sin, patch_sin))
+
+    assert torch.autograd.gradcheck(segmented, inputs)
+    grad = torch.randn(x.shape, dtype=f64)
+    ours = torch.autograd.grad(segmented(*inputs), inputs, grad)
+    plain = torch.autograd.grad(_plain_rope(x, (core_cos, patch_cos), (core_sin, patch_sin)), inputs, grad)
+    for a, b in zip(ours, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    # patches that need no gradient (the grid) get none, and the cores' gradient is unchanged
+    ours_fixed = torch.autograd.grad(
+        segmented(x, core_cos, core_sin, patch_cos.detach(), patch_sin.detach()), (x, core_cos, core_sin), grad
+    )
+    for a, b in zip(ours_fixed, ours[:3], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_rope_rejects_unmatched_segments():
+    from veca_hf.model.positions_veca import apply_rotary_pos_emb
+
+    x, cos = torch.randn(1, 1, 6, 8), torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="same segments, got 2 and 1"):
+        apply_rotary_pos_emb(x, (cos, torch.randn(1, 2, 8)), (cos,))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_model_gradients_are_those_of_the_textbook_rope(monkeypatch, autocast, pixel_values):
+    """The hand-written RoPE gradient against autograd through the textbook formula in fp32, every parameter (the
+    cores' coordinate heads get theirs through the rotation only)."""
+    from veca_hf.model import modeling_veca
+
+    model = make_model().train()
+    textbook = copy.deepcopy(model)
+    grads = []
+    for m, rope, bf16 in ((model, modeling_veca.apply_rotary_pos_emb, autocast), (textbook, _plain_rope, False)):
+        monkeypatch.setattr(modeling_veca, "apply_rotary_pos_emb", rope)
+        torch.manual_seed(1)  # same coordinate-augmentation draw
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = m(pixel_values, num_core_tokens=16).last_hidden_state.float().pow(2).mean()
+        loss.backward()
+        grads.append({name: p.grad for name, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, reference in grads[1].items():
+        if autocast:  # bf16 rounding; autograd through the formula under autocast is 1-2% off, a wrong gradient O(1)
+            assert grads[0][name].dtype == torch.float32
+            assert (grads[0][name] - reference).norm() <= 0.1 * reference.norm(), name
+        else:
+            torch.testing.assert_close(grads[0][name], reference, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant, pixel_values):
     model = make_model()

@@ -216,13 +216,10 @@ class VecaCorePeripheryAttention(nn.Module):
         qkv = qkv.permute(2, 0, 3, 1, 4)  # (3, B, H, T, Hd)
 
         # RoPE on q and k at once: cores rotate by their own (per-image, per-layer) positions, patches by the grid.
+        # cos/sin: the cores' (B or 1, C, Hd) then the patches' (N, Hd) or (B, N, Hd), broadcast over the heads
         (core_cos, core_sin), (patch_cos, patch_sin) = core_position_embeddings, patch_position_embeddings
-        rows = core_cos.shape[0]  # 1 before the first coordinate update, else B
-        if patch_cos.ndim == 3:  # per-image patch positions (padded batch of different sizes): (B, N, Hd)
-            rows = max(rows, patch_cos.shape[0])
-            core_cos, core_sin = core_cos.expand(rows, -1, -1), core_sin.expand(rows, -1, -1)
-        cos = torch.cat((core_cos, patch_cos.expand(rows, -1, -1)), dim=1).unsqueeze(1)  # (B or 1, 1, T, Hd)
-        sin = torch.cat((core_sin, patch_sin.expand(rows, -1, -1)), dim=1).unsqueeze(1)
+        cos = (core_cos.unsqueeze(-3), patch_cos.unsqueeze(-3))  # (B or 1, 1, C, Hd), ((B,) 1, N, Hd)
+        sin = (core_sin.unsqueeze(-3), patch_sin.unsqueeze(-3))
         query, key = apply_rotary_pos_emb(qkv[:2], cos, sin).unbind(0)  # (B, H, T, Hd) each
         value = qkv[2]  # (B, H, T, Hd)
 
