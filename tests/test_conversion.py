@@ -72,7 +72,7 @@ def test_cli_writes_a_complete_folder(tmp_path):
             "veca_hf.model.convert_veca_original",
             "--checkpoint",
             str(FIXTURES / "tiny_reference.pth"),
-            "--output-dir",
+            "--output_dir",
             str(output_dir),
         ],
         capture_output=True,
@@ -86,6 +86,22 @@ def test_cli_writes_a_complete_folder(tmp_path):
     assert VecaImageProcessor.from_pretrained(output_dir).crop_size == {"height": 256, "width": 256}
     model = VecaModel.from_pretrained(output_dir)
     assert model.config.rope_zero_frequency_ratio == 0.125 and model.config.core_bank_size == 16
+
+
+def test_cli_accepts_the_dashed_spellings_too(tmp_path, capsys):
+    from veca_hf.model.convert_veca_original import main
+
+    main(
+        [
+            "--checkpoint",
+            str(FIXTURES / "tiny_reference.pth"),
+            "--output-dir",
+            str(tmp_path / "dashed"),
+            "--no-latency",
+        ]
+    )
+    assert "bank=16" in capsys.readouterr().out
+    assert (tmp_path / "dashed" / "model.safetensors").is_file()
 
 
 def test_prefixes_and_bare_state_dicts_are_accepted(tmp_path):

@@ -2,7 +2,7 @@
 """Convert a checkpoint of the VECA research code (arXiv 2605.12491, see docs/conversion.md) into a Hugging Face
 folder.
 
-    python -m veca_hf.model.convert_veca_original --checkpoint student.pth --output-dir veca-b16 [--push_to_hub]
+    python -m veca_hf.model.convert_veca_original --checkpoint student.pth --output_dir veca-b16 [--push_to_hub]
 
 The size is inferred from the tensors (and cross-checked against the checkpoint's `"config"` when present). The
 folder holds `model.safetensors`, `config.json`, the image processor, the modeling code for `trust_remote_code`
@@ -246,8 +246,11 @@ def convert_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="reference checkpoint (.pth/.pt pickle or .safetensors)")
-    parser.add_argument("--output-dir", required=True, help="folder to write the Hugging Face model into")
     parser.add_argument(
+        "--output_dir", "--output-dir", required=True, help="folder to write the Hugging Face model into"
+    )
+    parser.add_argument(
+        "--allow_unsafe_pickle",
         "--allow-unsafe-pickle",
         action="store_true",
         help="fall back to a full unpickle when the file holds more than tensors (runs code from the file)",
