@@ -178,6 +178,17 @@ def test_script_writes_a_model_card_with_accuracy_per_budget(finetuned):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def test_a_script_without_do_train_or_do_eval_stops_instead_of_doing_nothing(tmp_path, monkeypatch):
+    """`TrainingArguments` defaults both to False: the README's command once exited 0 having written nothing."""
+    from veca_hf.training.trainer import parse_finetuning_args
+
+    monkeypatch.setattr(sys, "argv", ["finetune.py", "--output_dir", str(tmp_path / "out"), "--use_cpu"])
+    with pytest.raises(ValueError, match="Nothing to do: pass --do_train .*--do_eval"):
+        parse_finetuning_args((), logging.getLogger("test"))
+    monkeypatch.setattr(sys, "argv", ["finetune.py", "--output_dir", str(tmp_path / "out"), "--use_cpu", "--do_eval"])
+    assert parse_finetuning_args((), logging.getLogger("test"))[-1].do_eval
+
+
 def test_loss_falls(tmp_path):
     torch.manual_seed(0)
     args = training_args(tmp_path, max_steps=10, per_device_train_batch_size=12, learning_rate=3e-3)

@@ -235,6 +235,9 @@ def parse_finetuning_args(script_arguments: tuple, logger: python_logging.Logger
     """
     parsed = parse_args_with_file(HfArgumentParser((*script_arguments, BudgetArguments, TrainingArguments)))
     training_args = parsed[-1]
+    if not (training_args.do_train or training_args.do_eval):
+        # NOTE: both default to False in `TrainingArguments`; without this the script would exit 0 having done nothing.
+        raise ValueError("Nothing to do: pass --do_train (fine-tune) and/or --do_eval (evaluate at --eval_budgets).")
     take_hub_token(training_args)
     if training_args.device.type == "cpu":
         tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
