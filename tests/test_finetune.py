@@ -189,6 +189,20 @@ def test_a_script_without_do_train_or_do_eval_stops_instead_of_doing_nothing(tmp
     assert parse_finetuning_args((), logging.getLogger("test"))[-1].do_eval
 
 
+def test_resume_from_checkpoint_latest_means_the_newest_checkpoint_in_the_output_dir(tmp_path):
+    """As in `examples/distill.py`: `latest` is the newest checkpoint-<step>, none yet is a fresh start, and a folder
+    is passed on unchanged (Trainer itself would look for a folder called "latest")."""
+    from veca_hf.training.trainer import resume_checkpoint
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), resume_from_checkpoint="latest", use_cpu=True)
+    assert resume_checkpoint(args) is None
+    for step in (5, 10, 2):
+        (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
+    assert resume_checkpoint(args) == str(tmp_path / "out" / "checkpoint-10")
+    args.resume_from_checkpoint = str(tmp_path / "out" / "checkpoint-5")
+    assert resume_checkpoint(args) == str(tmp_path / "out" / "checkpoint-5")
+
+
 def test_loss_falls(tmp_path):
     torch.manual_seed(0)
     args = training_args(tmp_path, max_steps=10, per_device_train_batch_size=12, learning_rate=3e-3)

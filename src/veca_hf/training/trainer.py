@@ -16,6 +16,7 @@ The budget flags, the samplers and `pick_budget` live in `veca_hf.budgets`. `exa
 
 import contextlib
 import logging as python_logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -23,6 +24,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 from ..allocator import tune_cpu_allocator
@@ -251,6 +253,23 @@ def parse_finetuning_args(script_arguments: tuple, logger: python_logging.Logger
     return parsed
 
 
+def resume_checkpoint(training_args) -> str | None:
+    """
+    The checkpoint `--resume_from_checkpoint` names: a `checkpoint-<step>` folder as given, or, for `latest` (as in
+    `examples/distill.py`), the newest `checkpoint-<step>` in `--output_dir` (`None`, a fresh start, when there is
+    none yet).
+    """
+    resume = training_args.resume_from_checkpoint
+    if resume != "latest":
+        return resume
+    output_dir = training_args.output_dir
+    latest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    logger.info(
+        f"--resume_from_checkpoint latest: {latest or f'no checkpoint in {output_dir} yet, starting at step 0'}"
+    )
+    return latest
+
+
 def train_evaluate_and_publish(
     trainer: Trainer,
     budget_args: BudgetArguments,
@@ -276,7 +295,7 @@ def train_evaluate_and_publish(
     """
     args, model = trainer.args, trainer.model
     if args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        train_result = trainer.train(resume_from_checkpoint=resume_checkpoint(args))
         trainer.save_model()  # the model (label maps, default budget) and the image processor
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)  # train_results.json, merged into all_results.json
@@ -304,6 +323,7 @@ __all__ = [
     "evaluate_and_save_budgets",
     "evaluate_budgets",
     "parse_finetuning_args",
+    "resume_checkpoint",
     "setup_logging",
     "train_evaluate_and_publish",
 ]
