@@ -1,7 +1,10 @@
 """Every bad configuration value is a `ValueError` naming the field and what is allowed, at config time; whatever
 values are drawn, a config and a forward either work or raise `ValueError`."""
 
+import dataclasses
 import json
+import math
+from typing import get_args
 
 import pytest
 import torch
@@ -99,3 +102,53 @@ def test_a_folder_that_names_the_bank_num_core_tokens_still_loads(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(pixel_values).last_hidden_state, model(pixel_values).last_hidden_state)
     assert VecaConfig(num_core_tokens=16, core_coordinate_init_candidates=100).core_bank_size == 16
+
+
+FLOAT_FIELDS = [field.name for field in dataclasses.fields(VecaConfig) if float in (field.type, *get_args(field.type))]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("hidden_size", "768", "hidden_size='768' has type str, but hidden_size takes int: pass e.g. hidden_size=768"),
+        ("num_hidden_layers", 2.0, "num_hidden_layers=2.0 has type float, but num_hidden_layers takes int"),
+        ("hidden_size", True, "hidden_size=True has type bool, but hidden_size takes int"),
+        ("rope_theta", "100", "rope_theta='100' has type str, but rope_theta takes float: pass e.g. rope_theta=100.0"),
+        ("pos_embed_shift", "0.1", r"pos_embed_shift='0.1' has type str, but pos_embed_shift takes float \| None"),
+        ("default_num_core_tokens", 8.0, r"default_num_core_tokens=8.0 has type float, but .* takes int \| None"),
+        ("apply_layernorm", "yes", "apply_layernorm='yes' has type str, but apply_layernorm takes bool"),
+    ],
+)
+def test_values_of_the_wrong_type_are_value_errors_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**{field: value})
+    config = tiny_config()
+    with pytest.raises(ValueError, match=message):  # assignment is checked as well
+        setattr(config, field, value)
+
+
+def test_a_saved_config_with_a_float_size_is_a_value_error():
+    saved = tiny_config().to_dict()
+    saved["hidden_size"] = 64.0  # e.g. written by a tool that stores every number as a float
+    with pytest.raises(ValueError, match="hidden_size=64.0 has type float, but hidden_size takes int"):
+        VecaConfig.from_dict(saved)
+
+
+def test_every_float_field_is_covered():
+    assert set(FLOAT_FIELDS) == {
+        "layer_norm_eps", "initializer_range", "rope_theta", "rope_zero_frequency_ratio", "pos_embed_shift",
+        "pos_embed_jitter", "pos_embed_rescale", "core_coordinate_init_range", "core_coordinate_step_init",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_every_float_field_must_be_finite(field, value):
+    with pytest.raises(ValueError, match=rf"{field}={value!r} must be a finite number"):
+        tiny_config(**{field: value})
+
+
+def test_core_coordinate_init_candidates_is_bounded():
+    assert tiny_config(core_coordinate_init_candidates=100_000).core_coordinate_init_candidates == 100_000
+    with pytest.raises(ValueError, match="core_coordinate_init_candidates=100001 must be at most 100000"):
+        tiny_config(core_coordinate_init_candidates=100_001)

@@ -380,3 +380,64 @@ def test_folders_saved_before_the_renaming_still_load(tmp_path, processor, old_t
     assert (pixel_values(default, image) - pixel_values(processor, image)).abs().max() <= PIL_VS_TORCHVISION_ATOL
     with pytest.raises(AttributeError, match="VecaImageProcessorSlow"):
         veca_hf.VecaImageProcessorSlow  # noqa: B018
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad settings: a ValueError naming the setting, at construction and as a per-call override
+# ---------------------------------------------------------------------------------------------------------------------
+
+BAD_SETTINGS = [
+    ("image_std", [0.0, 0.0, 0.0], r"image_std=\(0.0, 0.0, 0.0\) must be positive finite numbers"),
+    ("image_std", [1.0, float("inf"), 1.0], r"image_std=\(1.0, inf, 1.0\) must be positive finite numbers"),
+    ("image_std", [0.5, 0.5], r"image_std=\(0.5, 0.5\) must be .* one per RGB channel"),
+    ("image_mean", [float("nan")] * 3, r"image_mean=\(nan, nan, nan\) must be finite numbers"),
+    ("rescale_factor", float("inf"), "rescale_factor=inf must be a positive finite number"),
+    ("crop_size", 0, r"crop_size=\{'height': 0, 'width': 0\} has height=0: every side must be a positive int"),
+    ("crop_size", {"height": 8, "width": -2}, "crop_size=.* has width=-2: every side must be a positive int"),
+    ("size", -5, r"size=\{'shortest_edge': -5\} has shortest_edge=-5: every side must be a positive int"),
+    ("size", {"height": 4, "width": 0}, "size=.* has width=0: every side must be a positive int"),
+    ("pad_size", {"height": 0, "width": 8}, "pad_size=.* has height=0: every side must be a positive int"),
+    ("resample", 99, r"resample=99 is not a resampling filter: use .*BICUBIC \(3\)"),
+    ("resample", "bicubic", "resample='bicubic' is not a resampling filter"),
+    ("ensure_multiple_of", 0, "ensure_multiple_of=0 must be a positive int"),
+]
+
+
+@pytest.mark.parametrize("setting, value, message", BAD_SETTINGS)
+@pytest.mark.parametrize("processor_class", [VecaImageProcessorPil, VecaImageProcessor])
+def test_bad_settings_are_value_errors_at_construction_and_per_call(processor_class, setting, value, message):
+    if processor_class is VecaImageProcessor:
+        pytest.importorskip("torchvision")
+    with pytest.raises(ValueError, match=message):
+        processor_class(**{setting: value})
+    processor = processor_class()
+    with pytest.raises(ValueError, match=message):
+        processor(random_image(30, 40), return_tensors="pt", **{setting: value})
+
+
+@pytest.mark.parametrize("processor_class", [VecaImageProcessorPil, VecaImageProcessor])
+def test_per_call_settings_of_the_wrong_type_are_value_errors(processor_class):
+    if processor_class is VecaImageProcessor:
+        pytest.importorskip("torchvision")
+    processor = processor_class()
+    # transformers checks the types of per-call settings only, and raises a huggingface_hub error that is no ValueError
+    with pytest.raises(ValueError, match=r"image_std=\[0, 0, 0\] is not of type .*: pass e.g. image_std=\(0.229,"):
+        processor(random_image(30, 40), image_std=[0, 0, 0])
+    with pytest.raises(ValueError, match="do_resize='yes' is not of type bool"):
+        processor(random_image(30, 40), do_resize="yes")
+
+
+@pytest.mark.parametrize("processor_class", [VecaImageProcessorPil, VecaImageProcessor])
+def test_good_settings_still_work(processor_class):
+    if processor_class is VecaImageProcessor:
+        pytest.importorskip("torchvision")
+    from torchvision.transforms import InterpolationMode
+
+    for settings in (
+        dict(image_std=0.5, image_mean=0.5),
+        dict(image_std=[1, 2, 3], image_mean=[0, 0, 0]),  # ints are numbers too at construction
+        dict(resample=InterpolationMode.BILINEAR),
+        dict(resample=0),
+        dict(do_convert_rgb=False, image_mean=[0.5], image_std=[0.5]),  # 1 channel images
+    ):
+        assert pixel_values(processor_class(**settings), random_image(30, 40, mode="L")).shape[-2:] == (256, 256)

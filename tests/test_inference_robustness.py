@@ -244,6 +244,7 @@ def pixel_value_tensors(draw):
         pixel_values.view(-1)[0] = float("nan")  # the first image only
     pixel_values = (pixel_values * 100).clamp(0, 255).to(dtype) if not dtype.is_floating_point else pixel_values
     valid = ndim == 4 and batch > 0 and channels == 3 and height in (16, 32, 48) and width in (16, 32, 48)
+    valid = valid and dtype.is_floating_point  # raw (integer) pixels have to go through the image processor
     return pixel_values.to(dtype), {"valid": valid, "nan": nan}
 
 
@@ -317,6 +318,14 @@ def test_model_rejects_empty_batches_complex_values_and_float_budget_tensors(mod
         expected = model(pixel_values, num_core_tokens=8).last_hidden_state
         for budget in (np.int64(8), torch.tensor(8), torch.tensor([8], dtype=torch.int32)):
             assert torch.equal(model(pixel_values, num_core_tokens=budget).last_hidden_state, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64, torch.int32, torch.bool])
+def test_model_rejects_pixels_that_were_not_normalised(model, dtype):
+    # raw 0-255 pixels used to run through the model unnormalised, with meaningless outputs and no error
+    pixel_values = torch.randint(0, 256, (1, 3, 32, 32)).to(dtype)
+    with pytest.raises(ValueError, match=rf"pixel_values has dtype {dtype}.*use the image processor"):
+        model(pixel_values)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,14 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """VECA (Visual Elastic Core Attention) model configuration."""
 
+import math
 import numbers
+from dataclasses import MISSING, fields
+from types import NoneType
+from typing import get_args
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneConfigMixin
 from transformers.configuration_utils import PreTrainedConfig
@@ -26,6 +31,33 @@ VECA_PRESET_TEACHERS: dict[str, str] = {
 }
 
 
+# Farthest-point sampling makes one pass over all candidates per core at every initialisation. Its result is only as
+# fine as the candidates: 100,000 uniform points lie about 0.006 r apart, far closer than the cores of any practical
+# bank (0.25 r apart for 64 cores), so more only cost time and memory (100,000 x 64 cores: ~0.1 s on one CPU core).
+MAX_CORE_COORDINATE_INIT_CANDIDATES = 100_000
+
+
+def type_errors_as_value_errors(cls):
+    """Makes the type check that `@strict` runs on every field assignment (`__init__` included) raise a `ValueError`
+    naming the field, the value and the type to pass, like every other check of the config."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            field = cls.__dataclass_fields__[name]
+            expected = field.type.__name__ if isinstance(field.type, type) else str(field.type)
+            example = f"{name}={field.default!r}" if field.default not in (MISSING, None) else f"a {expected} value"
+            raise ValueError(
+                f"{name}={value!r} has type {type(value).__name__}, but {name} takes {expected}: pass e.g. {example}."
+            ) from error
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+@type_errors_as_value_errors
 @strict
 class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     r"""
@@ -35,6 +67,9 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     VECA is a ViT whose patches never attend to each other: every block runs core-periphery attention, in which a
     small ordered bank of learned *core* tokens attends to all tokens and each patch attends to the cores only. The
     first `C` cores of the bank are active (the budget, a multiple of `core_chunk_size`); `C` can be changed per call.
+
+    A config is checked when it is built: a value of the wrong type (also when assigned later) or out of its range
+    (every float must be finite) raises a `ValueError` that names the field, the value and what is allowed.
 
     Args:
         hidden_size (`int`, *optional*, defaults to 768):
@@ -81,7 +116,8 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
         core_coordinate_init_range (`float`, *optional*, defaults to 0.95):
             Initial core positions are farthest-point samples of points drawn uniformly in `[-r, r]^2`.
         core_coordinate_init_candidates (`int`, *optional*, defaults to 1000):
-            Number of uniform candidate points the farthest-point sampling picks the initial core positions from.
+            Number of uniform candidate points the farthest-point sampling picks the initial core positions from
+            (from `core_bank_size` to 100,000).
         core_coordinate_step_init (`float`, *optional*, defaults to 0.01):
             Initial value of each layer's learned coordinate step scale `alpha_l`.
         apply_layernorm (`bool`, *optional*, defaults to `True`):
@@ -150,11 +186,17 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
         )
         # NOTE: checked here rather than in a `validate_*` hook, which would wrap the ValueError in a
         # huggingface_hub StrictDataclass error that users cannot catch as a ValueError.
-        self._check_sizes()
+        self._check_values()
         super().__post_init__(**kwargs)
 
-    def _check_sizes(self):
-        """Raises a `ValueError` naming the offending field, its value and what is allowed."""
+    def _check_values(self):
+        """Raises a `ValueError` naming the offending field, its value and what is allowed (`@strict` checked the
+        types already)."""
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                optional = " (or None)" if NoneType in get_args(field.type) else ""
+                raise ValueError(f"{field.name}={value!r} must be a finite number{optional}.")
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
                      "patch_size", "num_channels", "core_bank_size", "core_chunk_size"):  # fmt: skip
             value = getattr(self, name)
@@ -188,6 +230,12 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
                 f"core_coordinate_init_candidates={self.core_coordinate_init_candidates!r} must be at least "
                 f"core_bank_size ({self.core_bank_size}): the initial core positions are picked among them, and "
                 "fewer would place cores on top of each other."
+            )
+        if self.core_coordinate_init_candidates > MAX_CORE_COORDINATE_INIT_CANDIDATES:
+            raise ValueError(
+                f"core_coordinate_init_candidates={self.core_coordinate_init_candidates!r} must be at most "
+                f"{MAX_CORE_COORDINATE_INIT_CANDIDATES}: more candidates no longer move the initial core positions, "
+                "they only slow down every initialisation (the default is 1000)."
             )
         if not 0 < self.core_coordinate_init_range <= 1:
             raise ValueError(

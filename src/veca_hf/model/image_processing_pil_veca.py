@@ -16,16 +16,21 @@ torchvision backend, this file `VecaImageProcessorPil` on [`~image_processing_ba
 only, so it works without torchvision). `VecaImageProcessingDefaults` is the one place the settings live; the
 training and evaluation transforms of `veca_hf.data.build_transform` are derived from a processor's settings too.
 
-The module imports only `transformers` (and the standard library) so that it can be copied into a flat folder and
-loaded with `trust_remote_code=True`.
+The module imports only `transformers` (with its own dependencies, NumPy and `huggingface_hub`) and the standard
+library, so that it can be copied into a flat folder and loaded with `trust_remote_code=True`.
 """
 
+import math
+import numbers
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Annotated, get_args, get_origin
 
 import numpy as np
+from huggingface_hub.dataclasses import validate_typed_dict
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers.image_processing_backends import PilBackend
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import (
@@ -36,6 +41,7 @@ from transformers.image_utils import (
     SizeDict,
     get_image_type,
     is_valid_image,
+    torch_pil_interpolation_mapping,
 )
 from transformers.processing_utils import ImagesKwargs
 
@@ -102,6 +108,70 @@ def with_channel_axis(images):
     return images
 
 
+def check_settings(
+    size=None,
+    crop_size=None,
+    pad_size=None,
+    resample=None,
+    rescale_factor=None,
+    image_mean=None,
+    image_std=None,
+    do_convert_rgb=None,
+    ensure_multiple_of=None,
+    **kwargs,
+) -> None:
+    """Raises a `ValueError` naming the setting, its value and what is allowed, for any setting (already standardised:
+    sizes as `SizeDict`) that would make either backend fail deep inside or return empty or non-finite pixels."""
+    for name, sides, example in (
+        ("size", size, {"shortest_edge": 288}),
+        ("crop_size", crop_size, {"height": 256, "width": 256}),
+        ("pad_size", pad_size, {"height": 256, "width": 256}),
+    ):
+        for key, side in dict(sides or {}).items():
+            if not isinstance(side, int) or isinstance(side, bool) or side <= 0:
+                raise ValueError(
+                    f"{name}={dict(sides)} has {key}={side!r}: every side must be a positive int (pixels), e.g. "
+                    f"{name}={example}."
+                )
+    # NOTE: ints are PIL's filters (0 to 5); torchvision's InterpolationMode is accepted as the backends map it.
+    filters = {int(member) for member in PILImageResampling}
+    is_filter = isinstance(resample, int) and not isinstance(resample, bool) and resample in filters
+    if resample is not None and not (is_filter or resample in tuple(torch_pil_interpolation_mapping)):
+        names = ", ".join(f"{member.name} ({int(member)})" for member in PILImageResampling)
+        raise ValueError(
+            f"resample={resample!r} is not a resampling filter: use a PILImageResampling ({names}), e.g. "
+            "resample=PILImageResampling.BICUBIC (the default)."
+        )
+    if rescale_factor is not None and not (_is_finite_number(rescale_factor) and rescale_factor > 0):
+        raise ValueError(
+            f"rescale_factor={rescale_factor!r} must be a positive finite number, e.g. 1 / 255 (0-255 pixels to 0-1)."
+        )
+    for name, values, default, positive in (
+        ("image_mean", image_mean, IMAGENET_DEFAULT_MEAN, False),
+        ("image_std", image_std, IMAGENET_DEFAULT_STD, True),
+    ):
+        if values is None:
+            continue
+        is_sequence = isinstance(values, (list, tuple))
+        # one number for all channels, or one per channel: 3 once images are converted to RGB (without conversion,
+        # the backends match the count to each image's channels)
+        count_ok = not is_sequence or (len(values) == 3 if do_convert_rgb else len(values) > 0)
+        entries = values if is_sequence else [values]
+        if not count_ok or not all(_is_finite_number(x) and (x > 0 or not positive) for x in entries):
+            raise ValueError(
+                f"{name}={values!r} must be {'positive ' if positive else ''}finite numbers, one per RGB channel (or "
+                f"one for all channels), e.g. {name}={tuple(default)}."
+            )
+    if ensure_multiple_of is not None and (
+        not isinstance(ensure_multiple_of, int) or isinstance(ensure_multiple_of, bool) or ensure_multiple_of <= 0
+    ):
+        raise ValueError(f"ensure_multiple_of={ensure_multiple_of!r} must be a positive int: the model's patch size.")
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class VecaImageProcessingDefaults:
     """VECA's preprocessing settings, shared by `VecaImageProcessor` and `VecaImageProcessorPil`.
 
@@ -129,6 +199,38 @@ class VecaImageProcessingDefaults:
     do_normalize = True
     do_convert_rgb = True
     ensure_multiple_of = None
+
+    def _set_attributes(self, **kwargs):
+        """The backend's `_set_attributes`, then the checks of `_validate_preprocess_kwargs` on the stored settings, so
+        that a bad setting fails when the processor is built (or loaded), not at its first call."""
+        super()._set_attributes(**kwargs)
+        self._validate_preprocess_kwargs(**{name: getattr(self, name, None) for name in self._valid_kwargs_names})
+
+    def _validate_preprocess_kwargs(self, **kwargs):
+        check_settings(**kwargs)
+        super()._validate_preprocess_kwargs(**kwargs)
+
+    def preprocess(self, images, *args, **kwargs):
+        """The backend's `preprocess`; a per-call setting of the wrong type is a `ValueError` naming the setting.
+
+        NOTE: transformers checks the types of per-call settings (not of stored ones) and raises a huggingface_hub
+        error that is no `ValueError` and names no fix.
+        """
+        annotations = self.valid_kwargs.__annotations__
+        for name, value in kwargs.items():
+            if name not in annotations:
+                continue  # other arguments (`image_like_kwargs`, or a typo) are the backend's to handle
+            try:
+                validate_typed_dict(self.valid_kwargs, {name: value})
+            except StrictDataclassFieldValidationError as error:
+                expected = annotations[name]
+                expected = get_args(expected)[0] if get_origin(expected) is Annotated else expected
+                example = getattr(self, name, None)  # the stored setting, which passed the checks
+                example = dict(example) if isinstance(example, SizeDict) else example
+                raise ValueError(
+                    f"{name}={value!r} is not of type {expected}: pass e.g. {name}={example!r}."
+                ) from error
+        return super().preprocess(images, *args, **kwargs)
 
     @classmethod
     def for_resolution(cls, resolution: int, **kwargs):
@@ -246,12 +348,6 @@ class VecaImageProcessingDefaults:
     ) -> BatchFeature:
         """The backend's `_preprocess`, plus the aspect-preserving resize of `ensure_multiple_of` (or of a lone
         `longest_edge`) and, with `do_pad`, padding to one size with a `pixel_mask` (as DETR's processors)."""
-        if ensure_multiple_of is not None and (
-            not isinstance(ensure_multiple_of, int) or isinstance(ensure_multiple_of, bool) or ensure_multiple_of <= 0
-        ):
-            raise ValueError(
-                f"`ensure_multiple_of` must be a positive int (the patch size), got {ensure_multiple_of!r}."
-            )
         if do_resize and (ensure_multiple_of or (size.longest_edge and not size.shortest_edge)):
             # NOTE: one image at a time, each to its own size, before the backend's (grouped) pipeline runs.
             multiple = ensure_multiple_of or 1
@@ -319,6 +415,8 @@ class VecaImageProcessorPil(VecaImageProcessingDefaults, PilBackend):
 
     The pipeline is: convert to RGB -> bicubic resize of the shortest edge -> centre crop -> rescale -> normalise.
     Every argument below can also be passed to `__call__` / `preprocess` to override the stored value for one call.
+    Settings are checked when the processor is built (or loaded) and per call: a bad one (a side that is not a positive
+    int, a zero or non-finite `image_std`, an unknown `resample`) raises a `ValueError` naming it.
     [`VecaImageProcessor`] is the same pipeline on the torchvision backend (batched, optionally on GPU).
 
     Args:
@@ -367,4 +465,4 @@ class VecaImageProcessorPil(VecaImageProcessingDefaults, PilBackend):
     """
 
 
-__all__ = ["VecaImageProcessingDefaults", "VecaImageProcessorPil", "check_image"]
+__all__ = ["VecaImageProcessingDefaults", "VecaImageProcessorPil", "check_image", "check_settings"]

@@ -35,8 +35,8 @@ VECA_AUTO_MAP = {
 
 
 def check_pixel_values(pixel_values: torch.Tensor, num_channels: int, patch_size: int) -> None:
-    """A `ValueError` naming the problem and the fix for anything but a real `(B >= 1, num_channels, H, W)` tensor with
-    `H` and `W` positive multiples of `patch_size`."""
+    """A `ValueError` naming the problem and the fix for anything but a floating-point `(B >= 1, num_channels, H, W)`
+    tensor with `H` and `W` positive multiples of `patch_size`."""
     if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
         shape = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values)
         raise ValueError(
@@ -46,8 +46,11 @@ def check_pixel_values(pixel_values: torch.Tensor, num_channels: int, patch_size
     batch_size, channels, height, width = pixel_values.shape
     if batch_size == 0:
         raise ValueError(f"pixel_values {tuple(pixel_values.shape)} holds no images: the batch size must be >= 1.")
-    if pixel_values.is_complex():
-        raise ValueError(f"pixel_values has dtype {pixel_values.dtype}: pass real (float) pixel values.")
+    if not pixel_values.is_floating_point():  # integer pixels are raw 0-255 values that nothing normalised
+        raise ValueError(
+            f"pixel_values has dtype {pixel_values.dtype}, but the model takes normalised float pixel values: use the "
+            "image processor (AutoImageProcessor) to turn images into pixel_values."
+        )
     if channels != num_channels:
         raise ValueError(
             f"pixel_values has {channels} channels but the model expects config.num_channels={num_channels}; "
