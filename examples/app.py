@@ -8,10 +8,11 @@
     python examples/app.py --model_name_or_path HUB_ID --write_space space/    # a ready Hugging Face Space
 
 Serves on 127.0.0.1 (`--server_name 0.0.0.0` to share). Every picture comes from `veca_hf.evaluation.dial.dial`;
-this file only lays them out. Uploads and pictures stay in one temporary folder.
+this file only lays them out. Uploads and pictures stay in one temporary folder, pruned as they age (`DELETE_CACHE`).
 """
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ MAIN_JOB_STUDENT = ROOT / "outputs" / "demo" / "veca-student"  # examples/config
 MAIN_JOB_PHOTOS = ROOT / "outputs" / "demo" / "photos"
 SPACE_SETTINGS = "dial_space.json"  # a Space's model ids, written by --write_space beside its app.py
 MAX_SIDE = 1024  # larger uploads are resized (with a note): bounds memory and time on a shared Space
+DELETE_CACHE = (600, 3600)  # every 10 minutes, delete the uploads and pictures older than an hour
 SPACE_REQUIREMENTS = [
     "torch>=2.6",
     "transformers>=5.24",
@@ -63,8 +65,18 @@ def resolve_model(model_name_or_path: str | None) -> str:
     )
 
 
+def wrote_space(folder: Path) -> bool:
+    """Whether `folder` is a Space this app wrote: it holds the settings file, with a model id in it."""
+    try:
+        return "model_name_or_path" in json.loads((folder / SPACE_SETTINGS).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def write_space(directory: str, model_name_or_path: str, teacher_name_or_path: str | None) -> Path:
-    """A folder that is a Hugging Face Space: this app, the `veca_hf` package beside it, requirements, front matter."""
+    """A folder that is a Hugging Face Space: this app, the `veca_hf` package beside it, requirements, front matter.
+    Only a new or empty folder, or a Space this app wrote before, is written: the Space replaces `README.md`, `app.py`
+    and `veca_hf/` in it."""
     import gradio
 
     import veca_hf
@@ -72,11 +84,20 @@ def write_space(directory: str, model_name_or_path: str, teacher_name_or_path: s
     if not model_name_or_path:
         raise SystemExit("--write_space needs --model_name_or_path: the Hub id the Space will show.")
     space = Path(directory)
+    if space.exists() and not (space.is_dir() and (wrote_space(space) or not any(space.iterdir()))):
+        raise SystemExit(
+            f"--write_space {directory}: {space.resolve()} is neither an empty folder nor a Space this app wrote (no "
+            f"{SPACE_SETTINGS} with a model id in it); writing there would replace its README.md, app.py and "
+            "veca_hf/. Pass a new or empty folder."
+        )
     space.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(__file__, space / "app.py")
-    package = Path(veca_hf.__file__).parent
-    shutil.rmtree(space / "veca_hf", ignore_errors=True)
-    shutil.copytree(package, space / "veca_hf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    app, package, package_copy = space / "app.py", Path(veca_hf.__file__).parent, space / "veca_hf"
+    # a Space rewritten by its own app (`python space/app.py --write_space space`) runs from these very files
+    if not (app.exists() and app.samefile(__file__)):
+        shutil.copyfile(__file__, app)
+    if not (package_copy.exists() and package_copy.samefile(package)):
+        shutil.rmtree(package_copy, ignore_errors=True)
+        shutil.copytree(package, package_copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     settings = {"model_name_or_path": model_name_or_path, "teacher_name_or_path": teacher_name_or_path}
     (space / SPACE_SETTINGS).write_text(json.dumps(settings, indent=1) + "\n")
     (space / "requirements.txt").write_text("\n".join(SPACE_REQUIREMENTS) + "\n")
@@ -143,7 +164,7 @@ def build_demo(model, teacher, example_photos: list[str]):
     def clicked(evt: gr.SelectData):
         return evt.index[0], evt.index[1]
 
-    with gr.Blocks(title="VECA budget dial") as demo:
+    with gr.Blocks(title="VECA budget dial", delete_cache=DELETE_CACHE) as demo:
         gr.Markdown(
             "# VECA: the budget dial\nPatches never attend to each other: they talk through `C` learned cores, so "
             "attention costs `2NC + C^2` instead of `N^2`. Pick `C` and see what it changes. Click a patch on the "
@@ -151,7 +172,9 @@ def build_demo(model, teacher, example_photos: list[str]):
         )
         with gr.Row():
             with gr.Column(scale=1):
-                image = gr.Image(type="pil", label="image", sources=["upload"], image_mode="RGB")
+                # a path, not pixels: Gradio then only reads the header, and `dial` refuses a too-large image
+                # before decoding it (image_mode=None, or Gradio converts, so decodes, every non-RGB upload)
+                image = gr.Image(type="filepath", label="image", sources=["upload"], image_mode=None)
                 if example_photos:
                     gr.Examples(example_photos, inputs=image)
                 budget = gr.Slider(config.core_chunk_size, config.core_bank_size, value=config.core_bank_size,
@@ -205,6 +228,7 @@ def main(argv=None) -> None:
         return
     temp_dir = Path(tempfile.mkdtemp(prefix="veca-dial-"))
     os.environ["GRADIO_TEMP_DIR"] = str(temp_dir)  # uploads and pictures: nowhere else
+    atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     import gradio as gr
     import torch
     from transformers import AutoModel

@@ -1,10 +1,12 @@
-"""The demo app (`examples/app.py`): it never shows a random network, writes a ready Space, answers over loopback
-through `gradio_client` for two budgets (FLOPs grow with the budget), and works in a real headless Chromium: upload
-a photo, show, move the budget slider, no error on the page, a screenshot; a text file is refused by name."""
+"""The demo app (`examples/app.py`): it never shows a random network, writes a ready Space (and refuses to write over
+a folder it did not write), answers over loopback through `gradio_client` for two budgets (FLOPs grow with the
+budget), refuses a too-large upload before decoding it, cleans its cache, and works in a real headless Chromium:
+upload a photo, show, move the budget slider, no error on the page, a screenshot; a text file is refused by name."""
 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,6 +20,7 @@ import PIL.ImageDraw
 import pytest
 import torch
 from conftest import tiny_config
+from test_dial import png_header_only
 
 from veca_hf import VecaModel
 
@@ -117,6 +120,72 @@ def test_write_space_makes_a_ready_space(tmp_path):
     assert space_app.resolve_model(None) == "org/veca-b16"
 
 
+def tree(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_write_space_refuses_a_folder_it_did_not_write(tmp_path):
+    app = load_app()
+    checkout = tmp_path / "checkout"  # `--write_space src` and `--write_space .` of an editable install
+    (checkout / "src" / "veca_hf").mkdir(parents=True)
+    (checkout / "src" / "veca_hf" / "__init__.py").write_text("# the package\n")
+    (checkout / "README.md").write_text("# the repository\n")
+    before = tree(checkout)
+    for folder in (checkout / "src", checkout, checkout / "README.md"):
+        argv = ["--write_space", str(folder), "--model_name_or_path", "org/veca-b16"]
+        message = (
+            rf"{re.escape(str(folder))} is neither an empty folder nor a Space this app wrote.*new or empty folder"
+        )
+        with pytest.raises(SystemExit, match=message):
+            app.main(argv)
+    assert tree(checkout) == before  # nothing written, nothing deleted
+
+    space = app.write_space(str(tmp_path / "space"), "org/veca-b16", None)  # a new folder
+    (space / "notes.md").write_text("kept\n")
+    app.write_space(str(space), "org/veca-l16", "facebook/dinov3-vitl16-pretrain-lvd1689m")  # its own Space again
+    assert json.loads((space / app.SPACE_SETTINGS).read_text())["model_name_or_path"] == "org/veca-l16"
+    assert (space / "notes.md").read_text() == "kept\n" and (space / "veca_hf" / "evaluation" / "dial.py").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (app.write_space(str(empty), "org/veca-b16", None) / app.SPACE_SETTINGS).is_file()
+
+
+def test_a_space_rewritten_by_its_own_app_keeps_its_package(tmp_path):
+    space = load_app().write_space(str(tmp_path / "space"), "org/veca-b16", None)
+    command = [sys.executable, str(space / "app.py"), "--write_space", str(space), "--model_name_or_path", "org/b"]
+    check = "import veca_hf, sys; print(veca_hf.__file__)"
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((space / "dial_space.json").read_text())["model_name_or_path"] == "org/b"
+    imported = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=space, timeout=300)
+    assert imported.stdout.strip() == str(space / "veca_hf" / "__init__.py")  # the Space's package is whole
+    assert (space / "veca_hf" / "evaluation" / "dial.py").is_file()
+
+
+def test_the_page_hands_over_uploads_undecoded_and_cleans_its_cache(tmp_path, monkeypatch):
+    import gradio as gr
+    import PIL.ImageFile
+    from gradio.data_classes import FileData
+
+    app = load_app()
+    demo = app.build_demo(VecaModel(tiny_config()).eval(), None, [])
+    assert demo.delete_cache == app.DELETE_CACHE and all(app.DELETE_CACHE)
+    (upload,) = [block for block in demo.blocks.values() if isinstance(block, gr.Image) and block.label == "image"]
+    huge = png_header_only(tmp_path / "huge.png", 12_000, 12_000)
+
+    def no_decode(image):
+        raise AssertionError("Gradio decoded the upload")
+
+    monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", no_decode)
+    with pytest.warns(PIL.Image.DecompressionBombWarning):  # PIL reads the header, warns, decodes nothing
+        assert upload.preprocess(FileData(path=str(huge), orig_name="huge.png")) == str(huge)
+    bomb = png_header_only(
+        tmp_path / "bomb.png", 20_000, 20_000
+    )  # past PIL's own limit: refused on reading its header
+    with pytest.raises(PIL.Image.DecompressionBombError):
+        upload.preprocess(FileData(path=str(bomb), orig_name="bomb.png"))
+
+
 def test_the_app_answers_over_loopback_for_two_budgets(served, tmp_path):
     from gradio_client import Client, handle_file
 
@@ -134,6 +203,12 @@ def test_the_app_answers_over_loopback_for_two_budgets(served, tmp_path):
         answers[budget] = numbers
     assert answers[8]["attention_gflops"] < answers[16]["attention_gflops"] < answers[16]["dense_attention_gflops"]
     assert answers[8]["dense_attention_gflops"] == answers[16]["dense_attention_gflops"]
+
+    from gradio_client.exceptions import AppError
+
+    huge = handle_file(str(png_header_only(tmp_path / "huge.png", 12_000, 12_000)))  # 144 megapixels, a few KB
+    with pytest.raises(AppError, match=r"12000 x 12000 pixels \(144 megapixels\), more than the limit of 50"):
+        client.predict(huge, 8, 224, 2, 3, -1, -1, api_name="/show")
 
 
 def chromium() -> str:

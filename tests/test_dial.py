@@ -1,15 +1,22 @@
 """The budget dial's pictures (`veca_hf.evaluation.dial`): shapes at every budget, one PCA basis for all budgets, a
 click on the right patch, cores over the image, attention costs that grow with the budget, the drawn pictures and
-`dial` (every picture of the demo, with a teacher beside), clear errors."""
+`dial` (every picture of the demo, with a teacher beside), clear errors; a too-large upload refused from its header
+before any decode; one core's attention computed without any `(T, T)` map."""
+
+import zlib
 
 import numpy as np
 import PIL.Image
+import PIL.ImageFile
 import pytest
 import torch
 from conftest import tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from veca_hf import VecaModel
+from veca_hf.evaluation.core_tracing import core_attention_in_block
 from veca_hf.evaluation.dial import (
+    MAX_PIXELS,
     DialImage,
     attention_cost,
     core_attention,
@@ -58,6 +65,45 @@ def test_bad_uploads_and_resolutions_are_clear_errors():
         DialImage.prepare(np.zeros((40, 40, 3), np.uint8), 40, 16)
 
 
+def png_header_only(path, width: int, height: int):
+    """A valid 1-bit PNG of `width x height` pixels, written without ever holding its pixels: a few KB on disk that
+    decode to `width * height` bytes in PIL (`* 3` as RGB)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([1, 0, 0, 0, 0])  # 1 bit, grey
+    compressor, row = zlib.compressobj(9), bytes(1 + (width + 7) // 8)  # filter byte + packed bits, all zero
+    pixels = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL's warning past 89 megapixels
+def test_a_too_large_upload_is_refused_from_its_header_before_any_decode(tmp_path, monkeypatch):
+    huge = png_header_only(tmp_path / "huge.png", 12_000, 12_000)  # 144 megapixels in a few KB
+    assert huge.stat().st_size < 100_000 and MAX_PIXELS < 12_000**2
+
+    def no_decode(image):
+        raise AssertionError("the image was decoded")
+
+    monkeypatch.setattr(PIL.ImageFile.ImageFile, "load", no_decode)  # PNG decoding goes through it
+    for upload in (huge, str(huge), PIL.Image.open(huge)):
+        with pytest.raises(ValueError, match=r"12000 x 12000 pixels \(144 megapixels\).*limit of 50 megapixels"):
+            DialImage.prepare(upload, 224, 16)
+    with pytest.raises(ValueError, match="upload a JPEG, PNG or WebP"):
+        DialImage.prepare(tmp_path / "missing.png", 224, 16)
+    bomb = png_header_only(tmp_path / "bomb.png", 20_000, 20_000)  # past PIL's own limit, which refuses it on open
+    with pytest.raises(ValueError, match=r"exceeds limit of 178956970 pixels.*at most 50 megapixels"):
+        DialImage.prepare(bomb, 224, 16)
+    monkeypatch.undo()
+    small = png_header_only(tmp_path / "small.png", 90, 60)
+    prepared = DialImage.prepare(str(small), 32, 16)  # a path within the limit: opened, decoded, prepared
+    assert prepared.image.mode == "RGB" and prepared.pixel_values.shape == (1, 3, 32, 48)
+    with pytest.raises(ValueError, match=r"90 x 60 pixels .* limit of 0.001 megapixels"):
+        DialImage.prepare(str(small), 32, 16, max_pixels=1000)
+
+
 def test_colours_share_one_basis_across_budgets(model, dial_image):
     features = patch_features_by_budget(model, dial_image.pixel_values, [8, 16])
     assert {budget: tuple(f.shape) for budget, f in features.items()} == {8: (2, 3, 64), 16: (2, 3, 64)}
@@ -92,6 +138,43 @@ def test_cores_sit_over_the_image_and_attend_to_its_patches(model, dial_image):
     with pytest.raises(ValueError, match=r"block must be in \[0, 2\)"):
         core_pixels(model, dial_image, 8, block=2)
     assert timed_forward(model, dial_image.pixel_values, 8) > 0
+
+
+class LargestSquare(TorchDispatchMode):
+    """Records every op output whose last two sides are both `side` (a `(T, T)` attention map)."""
+
+    def __init__(self, side: int):
+        super().__init__()
+        self.side, self.found = side, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.ndim >= 2 and tensor.shape[-2:] == (self.side,) * 2:
+                self.found.append((str(func), tuple(tensor.shape)))
+        return out
+
+
+def test_one_cores_attention_is_its_row_of_the_full_map_without_building_the_map(dial_image):
+    torch.manual_seed(0)
+    model = VecaModel(tiny_config(num_hidden_layers=3, core_coordinate_step_init=0.5)).eval()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        full = model(dial_image.pixel_values, num_core_tokens=16, output_attentions=True).attentions  # (1, H, T, T)
+    for block, core in ((0, 0), (1, 5), (2, 15), (-1, 3)):
+        row = core_attention_in_block(model, dial_image.pixel_values, 16, block=block, core=core)  # (H, T)
+        torch.testing.assert_close(row, full[block][0, :, core], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(row.sum(-1), torch.ones(2))
+    picture = core_attention(model, dial_image, 16, block=1, core=5)
+    torch.testing.assert_close(picture, full[1][0, :, 5, 16:].mean(0).reshape(2, 3), rtol=1e-5, atol=1e-7)
+    num_tokens = 16 + 2 * 3
+    with LargestSquare(num_tokens) as spy:
+        core_attention(model, dial_image, 16, block=2, core=0)
+    assert spy.found == []  # O(T): no (T, T) map, not even for the block shown
+    with pytest.raises(ValueError, match=r"block must be in \[-3, 3\)"):
+        core_attention_in_block(model, dial_image.pixel_values, 16, block=3)
+    with pytest.raises(ValueError, match=r"core must be one of the 8 active cores \(0 to 7\), got 8"):
+        core_attention_in_block(model, dial_image.pixel_values, 8, core=8)
 
 
 def test_attention_costs_grow_with_the_budget_and_stay_below_dense():

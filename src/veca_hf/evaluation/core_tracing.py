@@ -3,7 +3,8 @@
 
 `trace_cores` runs a VECA model once and returns, from the model's own outputs, where the cores sit in every block
 (`all_core_positions`, asked for with `output_core_positions=True`) and the attention maps (`attentions`);
-`core_positions_per_layer`, `core_attention_maps` and `draw_core_attention` build on it. The paper's core-attention
+`core_positions_per_layer`, `core_attention_maps` and `draw_core_attention` build on it. `core_attention_in_block`
+is one core's row of one block's map, computed alone in `O(T)` memory (for large images). The paper's core-attention
 view goes the other way: `patch_core_attention` is each patch's attention over the cores (the patches' call),
 `patch_core_attention_pictures` colours it with one projection per budget across blocks, and
 `draw_patch_core_attention` draws it.
@@ -23,6 +24,7 @@ import PIL.Image
 import torch
 from torch import nn
 
+from ..model.positions_veca import apply_rotary_pos_emb
 from .feature_maps import project_to_rgb, resolve_projection
 from .features import _bare_model
 from .reports import _pyplot
@@ -32,6 +34,7 @@ __all__ = [
     "CoreAttentionMaps",
     "CoreTrace",
     "PatchCoreAttention",
+    "core_attention_in_block",
     "core_attention_maps",
     "core_positions_per_layer",
     "draw_core_attention",
@@ -64,6 +67,16 @@ class CoreTrace:
     grid: tuple[int, int]
 
 
+def _veca(model: nn.Module) -> nn.Module:
+    veca = _bare_model(model)
+    if veca.config.model_type != "veca":
+        raise ValueError(
+            f"Core tracing needs a VECA model, got model_type={veca.config.model_type!r}; pass a VecaModel or a VECA "
+            "head model."
+        )
+    return veca
+
+
 def trace_cores(
     model: nn.Module, pixel_values: torch.Tensor, num_core_tokens: int | None = None, output_attentions: bool = True
 ) -> CoreTrace:
@@ -77,12 +90,7 @@ def trace_cores(
         num_core_tokens (`int`, *optional*): the budget.
         output_attentions (`bool`, *optional*, defaults to `True`): also return the block-sparse attention maps.
     """
-    veca = _bare_model(model)
-    if veca.config.model_type != "veca":
-        raise ValueError(
-            f"Core tracing needs a VECA model, got model_type={veca.config.model_type!r}; pass a VecaModel or a VECA "
-            "head model."
-        )
+    veca = _veca(model)
     outputs = veca(
         pixel_values,
         num_core_tokens=num_core_tokens,
@@ -170,6 +178,67 @@ def core_attention_maps(
         cores=cores,
         attentions=trace.attentions,
     )
+
+
+class _BlockReached(Exception):
+    """Ends a forward pass once the watched block's attention has its inputs: the blocks after it are not needed."""
+
+
+@torch.no_grad()
+def core_attention_in_block(
+    model: nn.Module, pixel_values: torch.Tensor, num_core_tokens: int | None = None, block: int = -1, core: int = 0
+) -> torch.Tensor:
+    r"""
+    One core's attention over all `C + N` tokens in one block, per head, for one image: row `core` of that block's
+    `output_attentions` map, computed alone. The model runs up to that block only and the core's query meets the
+    block's keys (with the block's RoPE), so memory grows with `T`, not `T^2`: the full maps of VECA-B at 1024 px
+    are about 0.8 GB per block.
+
+    Args:
+        model (`nn.Module`): a `VecaModel` (or a VECA head model holding one).
+        pixel_values (`torch.FloatTensor` of shape `(1, 3, H, W)` or `(3, H, W)`): one normalised image.
+        num_core_tokens (`int`, *optional*): the budget `C`.
+        block (`int`, *optional*, defaults to -1): the block, 0-based; negative counts from the end.
+        core (`int`, *optional*, defaults to 0): the core, 0-based, `< C`.
+
+    Returns:
+        `torch.Tensor` of shape `(H, C + N)`, float32: cores first, then the patches row by row; each row sums to 1.
+    """
+    veca = _veca(model)
+    pixel_values = _single_image(pixel_values)
+    num_blocks = len(veca.encoder.layer)
+    if not -num_blocks <= block < num_blocks:
+        raise ValueError(f"block must be in [{-num_blocks}, {num_blocks}), got {block}.")
+    num_cores = veca.resolve_num_core_tokens(num_core_tokens)
+    if not 0 <= core < num_cores:
+        raise ValueError(f"core must be one of the {num_cores} active cores (0 to {num_cores - 1}), got {core}.")
+    attention = veca.encoder.layer[block].attention
+    inputs = []
+
+    def capture(module, args):
+        inputs.extend(args)
+        raise _BlockReached
+
+    handle = attention.register_forward_pre_hook(capture)
+    try:
+        veca(pixel_values, num_core_tokens=num_cores)
+    except _BlockReached:
+        pass
+    finally:
+        handle.remove()
+    hidden_states, (core_cos, core_sin), (patch_cos, patch_sin) = inputs[:3]  # (1, T, D) normed, then RoPE
+    width, num_heads, head_dim = veca.config.hidden_size, attention.num_heads, attention.head_dim
+    weight, bias = attention.qkv_proj.weight, attention.qkv_proj.bias  # output rows: q, k, v, each (H, Hd)
+    query = nn.functional.linear(hidden_states[:, core], weight[:width], bias[:width])  # (1, D)
+    key = nn.functional.linear(hidden_states, weight[width : 2 * width], bias[width : 2 * width])  # (1, T, D)
+    query = query.view(1, num_heads, 1, head_dim)
+    key = key.view(1, -1, num_heads, head_dim).transpose(1, 2)  # (1, H, T, Hd)
+    # as the block does: the core rotates by its own position; keys by the cores' then the patches' positions
+    core_cos, core_sin = core_cos.unsqueeze(-3), core_sin.unsqueeze(-3)  # (1, 1, C, Hd)
+    query = apply_rotary_pos_emb(query, core_cos[..., core : core + 1, :], core_sin[..., core : core + 1, :])
+    key = apply_rotary_pos_emb(key, (core_cos, patch_cos.unsqueeze(-3)), (core_sin, patch_sin.unsqueeze(-3)))
+    scores = torch.matmul(query, key.transpose(2, 3)) * attention.scaling  # (1, H, 1, T)
+    return scores.softmax(dim=-1, dtype=torch.float32)[0, :, 0]  # (H, T)
 
 
 def _to_pixels(positions: torch.Tensor, width: int, height: int) -> np.ndarray:

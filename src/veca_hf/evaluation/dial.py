@@ -1,12 +1,13 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """What turning the budget dial does to one image, as plain functions: the pictures of a demo, each testable alone.
 
-- `DialImage.prepare`: the image at a resolution (aspect kept, sides multiples of the patch size), bounded in size.
+- `DialImage.prepare`: the image at a resolution (aspect kept, sides multiples of the patch size), bounded in size;
+  a file larger than `MAX_PIXELS` is refused from its header, before it is decoded.
 - `patch_features_by_budget` and `patch_colours`: the patch features at every budget, coloured by one PCA basis
   fitted on all of them, so that a colour means the same at every budget.
 - `patch_at` and `similarity_map`: the patch under a click, and the cosine of every patch feature with its feature.
 - `core_pixels` and `core_attention`: where the cores sit over the image in a block, and one core's attention over
-  the patches.
+  the patches (that one row alone: no block's `(T, T)` map is built).
 - `attention_cost`: attention FLOPs of VECA at a budget against a dense ViT of the same size, across resolutions.
 - `patch_picture`, `heatmap`, `draw_cores`, `cost_plot`: those values drawn over (or beside) the image.
 - `dial`: everything above for one image at one budget, as the demo app (`examples/app.py`) shows it.
@@ -15,6 +16,7 @@ Shape legend: Hp x Wp patch grid, D width, C budget, L blocks, h x w pixels.
 """
 
 import io
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,12 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from ..flops import attention_block_flops, num_patches_for
-from .core_tracing import core_attention_maps, core_positions_per_layer
+from .core_tracing import core_attention_in_block, core_positions_per_layer
 from .feature_maps import image_at_resolution, project_to_rgb
 from .features import extract_features
 
 
 __all__ = [
+    "MAX_PIXELS",
     "DialImage",
     "DialOutputs",
     "cost_plot",
@@ -50,6 +53,9 @@ __all__ = [
 ]
 
 
+MAX_PIXELS = 50_000_000  # a 48-megapixel phone photo passes; its RGB decode is 150 MB
+
+
 @dataclass
 class DialImage:
     """One image ready for the model: `image` (RGB, `w x h`, what is drawn) and `pixel_values` `(1, 3, h, w)`."""
@@ -60,19 +66,41 @@ class DialImage:
     resized_from: tuple[int, int] | None  # the upload's `(w, h)` when it was larger than `max_side`
 
     @classmethod
-    def prepare(cls, image, resolution: int, patch_size: int, max_side: int = 1024) -> "DialImage":
-        """`image` (PIL or an `(h, w, 3)` uint8 array) at short side `resolution`, its long side at most `max_side`.
+    def prepare(
+        cls, image, resolution: int, patch_size: int, max_side: int = 1024, max_pixels: int = MAX_PIXELS
+    ) -> "DialImage":
+        """`image` (a file path, PIL or an `(h, w, 3)` uint8 array) at short side `resolution`, its long side at most
+        `max_side`. A file, or a PIL image not yet loaded, is checked against `max_pixels` from its header, before its
+        pixels are decoded: a small compressed file can hold a huge image.
 
         Raises:
-            `ValueError`: for anything that is not an image, or a resolution that is not a positive multiple of the
-            patch size.
+            `ValueError`: for anything that is not an image, an image of more than `max_pixels` pixels, or a
+            resolution that is not a positive multiple of the patch size.
         """
+        if isinstance(image, (str, os.PathLike)):
+            try:
+                opened = PIL.Image.open(image)  # reads the header only
+            except PIL.Image.DecompressionBombError as error:  # PIL's own limit, checked on open
+                raise ValueError(f"{error} Upload an image of at most {max_pixels / 1e6:g} megapixels.") from None
+            except OSError:
+                raise ValueError(
+                    f"{os.fspath(image)!r} is not an image file PIL can read: upload a JPEG, PNG or WebP file."
+                ) from None
+            with opened:
+                return cls.prepare(opened, resolution, patch_size, max_side, max_pixels)
         if isinstance(image, np.ndarray):
             if image.ndim != 3 or image.shape[-1] not in (3, 4) or image.dtype != np.uint8:
                 raise ValueError(f"Expected an RGB image (h, w, 3) of uint8, got {image.shape} {image.dtype}.")
             image = PIL.Image.fromarray(image)
         if not isinstance(image, PIL.Image.Image):
             raise ValueError(f"Expected an image, got {type(image).__name__}: upload a JPEG, PNG or WebP file.")
+        width, height = image.size
+        if width * height > max_pixels:
+            raise ValueError(
+                f"The image is {width} x {height} pixels ({width * height / 1e6:g} megapixels), more than the limit "
+                f"of {max_pixels / 1e6:g} megapixels: resize it (it is shown at {max_side} px at most) and upload it "
+                "again."
+            )
         if resolution <= 0 or resolution % patch_size:
             raise ValueError(f"The resolution {resolution} is not a positive multiple of the patch size {patch_size}.")
         image = image.convert("RGB")
@@ -128,11 +156,10 @@ def core_pixels(model, dial_image: DialImage, budget: int, block: int) -> np.nda
 
 
 def core_attention(model, dial_image: DialImage, budget: int, block: int, core: int) -> torch.Tensor:
-    """`(Hp, Wp)`: core `core`'s attention over the patches in `block` (0-based), averaged over heads."""
-    maps = core_attention_maps(model, dial_image.pixel_values, budget, cores=[core])
-    if not 0 <= block < len(maps.patch_maps):
-        raise ValueError(f"block must be in [0, {len(maps.patch_maps)}), got {block}.")
-    return maps.patch_maps[block, 0]
+    """`(Hp, Wp)`: core `core`'s attention over the patches in `block` (0-based), averaged over heads. Only that row
+    is computed (`core_attention_in_block`), so memory grows with the number of patches, not its square."""
+    row = core_attention_in_block(model, dial_image.pixel_values, budget, block, core).mean(0)  # (C + N,)
+    return row[budget:].reshape(dial_image.grid)
 
 
 def attention_cost(config, budget: int, resolutions: Sequence[int]) -> list[dict]:
@@ -240,19 +267,21 @@ def dial(
     teacher=None,
     max_side: int = 1024,
     cost_resolutions: Sequence[int] = (224, 448, 672, 896, 1024),
+    max_pixels: int = MAX_PIXELS,
 ) -> DialOutputs:
     """Every picture of the demo for `image` at `budget`: patch colours (one PCA basis over all of the model's
     budgets), the similarity map to the patch under `click` (`(x, y)` pixels of the drawn image; its centre by
     default), the cores over the image in `block` (negative counts from the end), core `core`'s attention there,
     this forward's wall time and the attention cost against a dense ViT. With a `teacher` (DINOv2 / DINOv3), its
-    colours and similarity map beside VECA's, at the same image size rounded to its own patch size.
+    colours and similarity map beside VECA's, at the same image size rounded to its own patch size. `image` may be a
+    file path: one of more than `max_pixels` pixels is refused before it is decoded.
 
     Raises:
         `ValueError`: for a bad image, resolution, budget, block, core or click, each naming the fix.
     """
     config = model.config
     budget = config.check_budget(budget, name="budget")
-    dial_image = DialImage.prepare(image, resolution, config.patch_size, max_side=max_side)
+    dial_image = DialImage.prepare(image, resolution, config.patch_size, max_side=max_side, max_pixels=max_pixels)
     notes = []
     width, height = dial_image.image.size
     if min(width, height) < resolution - config.patch_size:  # the long side was bounded, the short one shrank
