@@ -4,9 +4,10 @@
 Why: glibc serves every allocation above its mmap threshold (adaptive, at most 32 MiB on 64-bit) with a fresh `mmap`,
 which the kernel fills in 4 KiB pages on first touch (a minor page fault each, zeroed), and unmaps on free. At
 1024 px VECA-B's fused qkv output (38 MiB) and SwiGLU input (68 MiB) are above that cap in every block, so each
-forward pays about 400k page faults, ~10% of its time on a CPU (docs/performance.md). With mmap off for the heap and
-its top kept (`M_MMAP_MAX=0`, `M_TRIM_THRESHOLD=1 GiB`, `M_TOP_PAD=64 MiB`), those buffers are reused from the heap
-like any smaller tensor. The values computed do not change (same kernels, same inputs).
+forward pays about 276k page faults (4.38 s against 4.14 s with these settings on a 2-core AMD EPYC;
+docs/performance.md, "The allocator"). With mmap off for the heap and its top kept (`M_MMAP_MAX=0`,
+`M_TRIM_THRESHOLD=1 GiB`, `M_TOP_PAD=64 MiB`), those buffers are reused from the heap like any smaller tensor. The
+values computed do not change (same kernels, same inputs).
 
 When: only when called. `veca_hf.tune_cpu_allocator()` is one line at the start of a CPU job (the project's scripts
 and benchmarks call it); the model never does, and importing `veca_hf` changes nothing: a process-wide setting is the
@@ -65,7 +66,7 @@ def opted_out() -> bool:
 def tune_cpu_allocator() -> bool:
     """Apply [`MALLOC_SETTINGS`] to this process's glibc malloc, once (later calls return the first outcome). Call it
     at the start of a CPU job, before the first large forward: VECA-B/16 at 1024 px then runs about 5% faster with no
-    page faults per call (docs/performance.md, "CPU allocator settings").
+    page faults per call (docs/performance.md, "The allocator").
 
     Returns:
         `bool`: whether the settings are in effect (`False` off glibc or with `VECA_HF_TUNE_MALLOC=0`).

@@ -10,8 +10,9 @@
 
 NOTE (why): glibc serves every CPU tensor above 32 MiB with a fresh `mmap` that the kernel maps in 4 KiB pages on
 first touch. At 1024 px VECA-B's fused qkv (38 MiB) and SwiGLU input (68 MiB) are that large in every block; sharing
-them was 8.5% faster there (docs/performance.md). Smaller outputs come from glibc's free lists, which hand back
-recently freed, cache-warm memory: they keep the plain call. A shared buffer is overwritten by the next block, which
+them saves those page faults (without `tune_cpu_allocator`'s settings; with them it adds little: docs/performance.md,
+"The allocator"). Smaller outputs come from glibc's free lists, which hand back recently freed, cache-warm memory:
+they keep the plain call. A shared buffer is overwritten by the next block, which
 is safe because each block consumes its projections before the next one runs, but not for autograd (backward needs
 them), hooks that keep outputs, autocast or `torch.compile`: there every call falls back to the module's own forward.
 
