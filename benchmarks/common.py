@@ -76,8 +76,11 @@ def apply_cpu_allocator(args: argparse.Namespace) -> dict:
 
 
 def command_line(argv: list[str] | None) -> str:
-    """The command a results file records: `python SCRIPT ARGS`, with `argv` when `main(argv)` was called directly."""
-    return shlex.join(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    """The command a results file records: `python SCRIPT ARGS`, with `argv` when `main(argv)` was called directly,
+    without credentials (`veca_hf.arguments.redact_secrets`)."""
+    from veca_hf.arguments import redact_secrets
+
+    return shlex.join(redact_secrets(["python", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]))
 
 
 def write_results(output_dir: Path, result: dict, markdown: str | None = None) -> None:

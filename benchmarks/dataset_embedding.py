@@ -44,6 +44,7 @@ import torch
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTModel
 
 from veca_hf import VecaImageProcessor, VecaModel
+from veca_hf.arguments import redact_secrets
 from veca_hf.data import load_image_dataset
 from veca_hf.embedding import PartBatches, Preprocess
 
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     # committed results name this machine's folders by what they are
     places = {args.images_dir: "PHOTOS_DIR", args.dinov2_dir: "DINOV2_DIR", args.output_dir: "OUTPUT_DIR"}
     recorded = [places.get(value, value) for value in (argv if argv is not None else sys.argv[1:])]
-    command = "python benchmarks/dataset_embedding.py " + shlex.join(recorded)
+    command = "python benchmarks/dataset_embedding.py " + shlex.join(redact_secrets(recorded))
     settings = {
         key: places.get(value, value) if isinstance(value, str) else value for key, value in vars(args).items()
     }

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,11 +33,13 @@ from veca_hf import VecaImageProcessor
 from veca_hf.arguments import parse_args_with_file, redact_secrets
 from veca_hf.budgets import BudgetSampler, SampledBudgetArguments, training_budgets
 from veca_hf.data import (
+    DEFAULT_MAX_IMAGE_PIXELS,
     ImageStream,
     StreamRetries,
     build_transform,
     check_shard_count,
     collate_images,
+    dataset_root,
     detect_image_column,
     infinite_batches,
     is_remote,
@@ -45,7 +48,7 @@ from veca_hf.data import (
     resize_batch,
 )
 from veca_hf.hardware import warn_if_slow_bf16
-from veca_hf.hub import resolve_teacher_on_all_ranks
+from veca_hf.hub import resolve_teacher_on_all_ranks, take_credentials
 from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
 from veca_hf.training.checkpointing import (
     checkpoint_steps,
@@ -84,6 +87,19 @@ from veca_hf.training.optimization import (
 
 
 logger = get_logger(__name__)
+
+
+def check_counts(arguments, counts: dict[str, tuple[int, str]]) -> None:
+    """At parse time, a `ValueError` naming the flag, its value and the fix for every count below its minimum
+    (`counts`: flag -> (minimum, fix)), not an `IndexError` or a `ZeroDivisionError` deep in the run. `None` passes
+    where the field's type allows it (it means "not set")."""
+    for name, (low, fix) in counts.items():
+        value = getattr(arguments, name)
+        # NOTE: the annotation, not `Field.type`, which HfArgumentParser rewrites to the type without `None`
+        if value is None and type(None) in typing.get_args(typing.get_type_hints(type(arguments))[name]):
+            continue
+        if value is None or value < low:
+            raise ValueError(f"--{name} must be at least {low}, got {value}: {fix}.")
 
 
 @dataclass
@@ -138,6 +154,9 @@ class ModelArguments:
     teacher_micro_batch_size: int | None = field(default=None, metadata={"help": "Teacher images per forward."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Student attention: sdpa | eager."})
 
+    def __post_init__(self):
+        check_counts(self, {"teacher_micro_batch_size": (1, "leave it out to run the teacher on the whole batch")})
+
 
 @dataclass
 class DataArguments:
@@ -160,6 +179,13 @@ class DataArguments:
     shuffle_buffer_size: int = field(default=1000, metadata={"help": "Streaming shuffle buffer."})
     dataloader_num_workers: int = field(default=2, metadata={"help": "DataLoader workers per process."})
     min_image_size: int = field(default=32, metadata={"help": "Smaller images are skipped (and counted)."})
+    max_image_pixels: int = field(
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metadata={
+            "help": "Images with more pixels (width x height, read from the file's header) are skipped undecoded "
+            "(and counted): a PNG of a few hundred KB can hold 144 MP, seconds and gigabytes per DataLoader worker."
+        },
+    )
     broken_shards: str = field(
         default="skip",
         metadata={"help": "Local parquet / tar shards that are cut short: skip (with a warning naming them) | error."},
@@ -174,6 +200,18 @@ class DataArguments:
     stream_retries: int = field(default=20, metadata={"help": "Attempts per remote read or open before failing."})
     stream_retry_wait: float = field(default=5.0, metadata={"help": "Seconds between attempts."})
     stream_timeout: float = field(default=60.0, metadata={"help": "Seconds before a stalled HTTP(S) read is retried."})
+
+    def __post_init__(self):
+        check_counts(self, {
+            "validation_size": (0, "0 holds out nothing (no validation without --validation_split)"),
+            "shuffle_buffer_size": (0, "0 streams without shuffling"),
+            "dataloader_num_workers": (0, "0 loads in the main process"),
+            "min_image_size": (0, "0 keeps every image"),
+            "max_image_pixels": (1, "the most pixels an image may have; raise it to keep larger images"),
+            "stream_retries": (1, "1 tries each read once"),
+            "stream_retry_wait": (0, "seconds between attempts; 0 retries at once"),
+            "stream_timeout": (0, "seconds; 0 keeps aiohttp's default (5 minutes)"),
+        })  # fmt: skip
 
 
 @dataclass
@@ -209,10 +247,19 @@ class DistillationArguments(SampledBudgetArguments):
     checkpointing_steps: int = field(
         default=500, metadata={"help": "Save a resumable checkpoint every N steps (0: never)."}
     )
-    checkpoints_total_limit: int | None = field(default=2, metadata={"help": "Keep only the newest N checkpoints."})
+    checkpoints_total_limit: int | None = field(
+        default=2, metadata={"help": "Keep only the newest N checkpoints (0 or null: keep every checkpoint)."}
+    )
     resume_from_checkpoint: str | None = field(
         default=None,
         metadata={"help": "A checkpoint folder, or 'latest': the newest complete one (damaged ones are skipped)."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start over in an --output_dir that holds another run's checkpoints, removing them first (without "
+            "it, or --resume_from_checkpoint latest to continue that run, such a run stops at once)."
+        },
     )
     max_consecutive_nonfinite_steps: int = field(
         default=10,
@@ -250,13 +297,18 @@ class DistillationArguments(SampledBudgetArguments):
     hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repository private."})
 
     def __post_init__(self):
-        # counts that a loop divides by or runs for: a ValueError here, not a ZeroDivisionError at step 1
-        at_least = {"max_train_steps": 1, "per_device_train_batch_size": 1, "per_device_eval_batch_size": 1,
-                    "gradient_accumulation_steps": 1, "logging_steps": 1, "warmup_steps": 0,
-                    "checkpointing_steps": 0, "validation_steps": 0}  # fmt: skip
-        for name, low in at_least.items():
-            if getattr(self, name) < low:
-                raise ValueError(f"--{name} must be at least {low}, got {getattr(self, name)}.")
+        check_counts(self, {
+            "max_train_steps": (1, "pass how many optimiser steps to train"),
+            "per_device_train_batch_size": (1, "pass the training images per process and step"),
+            "per_device_eval_batch_size": (1, "pass the held-out images per forward"),
+            "gradient_accumulation_steps": (1, "1 accumulates nothing"),
+            "warmup_steps": (0, "0 means no warm-up"),
+            "checkpointing_steps": (0, "0 never saves a checkpoint"),
+            "checkpoints_total_limit": (0, "0 or null keeps every checkpoint"),
+            "max_consecutive_nonfinite_steps": (1, "1 stops at the first non-finite step"),
+            "validation_steps": (0, "0 validates at the end only"),
+            "logging_steps": (1, "1 logs every step"),
+        })  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DistillationArguments]:
@@ -412,9 +464,11 @@ def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_t
     )
     image_column = detect_image_column(dataset, data_args.image_column)
     check_shard_count(dataset, accelerator.num_processes, data_args.dataloader_num_workers)
+    validation_root = train_root = dataset_root(data_args.dataset_name)  # image folders: their paths are read there
     if data_args.validation_split:
         # a split name of --dataset_name, or its own source (a folder, glob or remote URLs)
         own_source = is_remote(data_args.validation_split) or os.sep in data_args.validation_split
+        validation_root = dataset_root(data_args.validation_split) if own_source else train_root
         validation_dataset = load_image_dataset(
             data_args.validation_split if own_source else data_args.dataset_name,
             None if own_source else data_args.dataset_config_name,
@@ -428,14 +482,16 @@ def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_t
             dataset.skip(data_args.validation_size),
         )
     stream_kwargs = dict(
-        rank=accelerator.process_index, world_size=accelerator.num_processes, min_image_size=data_args.min_image_size
-    )
+        rank=accelerator.process_index, world_size=accelerator.num_processes, min_image_size=data_args.min_image_size,
+        max_image_pixels=data_args.max_image_pixels,
+    )  # fmt: skip
     train_stream = ImageStream(
         train_dataset,
         image_column,
         train_transform,
         seed=args.seed,
         shuffle_buffer_size=data_args.shuffle_buffer_size,
+        image_root=train_root,
         **stream_kwargs,
     )
     # NOTE: workers ignore SIGTERM (SLURM signals the whole process group): the main process decides when to stop.
@@ -451,6 +507,7 @@ def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_t
         build_transform(validation_resolution, train=False),
         seed=args.seed,
         shuffle_buffer_size=1,
+        image_root=validation_root,
         **stream_kwargs,
     )
     return train_stream, loader_kwargs, validation_stream
@@ -500,10 +557,9 @@ def build_optimization(model: torch.nn.Module, args):
     return optimizer, scheduler
 
 
-def resume(accelerator, args, checkpoints_dir: Path, scheduler, guard: StepGuard) -> Progress:
-    """The progress of `--resume_from_checkpoint` (weights, optimiser and RNG restored in place), or a new run's."""
+def resume(accelerator, resume_path: Path | None, scheduler, guard: StepGuard) -> Progress:
+    """The progress of `resume_path` (weights, optimiser and RNG restored in place), or a new run's."""
     progress = Progress()
-    resume_path = resolve_resume_path_on_all_ranks(accelerator, args.resume_from_checkpoint, checkpoints_dir)
     if resume_path is None:
         return progress
     training_state, process_state = load_checkpoint(accelerator, resume_path)
@@ -674,11 +730,18 @@ def main():
     output_dir = Path(args.output_dir)
     # Before any work, as Trainer does: a wrong flag or a missing login fails at once.
     repo_id = resolve_hub_model_id(output_dir, args.push_to_hub, args.hub_model_id, args.hub_token)
+    take_credentials(model_args, data_args, args)  # --hub_token becomes HF_TOKEN; sys.argv loses every credential
     accelerator = build_accelerator(args, output_dir)
     check_optimizer_backend(args.optimizer, uses_deepspeed=accelerator.state.deepspeed_plugin is not None)
     if repo_id is not None and accelerator.is_main_process:
         repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
     set_up_logging(accelerator)
+    # Before any work, decided on the main process for all: what to resume from, and that no other run's checkpoints
+    # are in the way (this run would replace them and rotate them away) unless --overwrite_output_dir removes them.
+    checkpoints_dir = output_dir / "checkpoints"
+    resume_path = resolve_resume_path_on_all_ranks(
+        accelerator, args.resume_from_checkpoint, checkpoints_dir, overwrite=args.overwrite_output_dir
+    )
     set_seed(args.seed)
 
     teacher = load_teacher(accelerator, model_args, args)
@@ -706,9 +769,8 @@ def main():
 
     optimizer, scheduler = build_optimization(model, args)
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpoints_dir = output_dir / "checkpoints"
     guard = StepGuard(args.max_consecutive_nonfinite_steps)
-    progress = resume(accelerator, args, checkpoints_dir, scheduler, guard)
+    progress = resume(accelerator, resume_path, scheduler, guard)
     if held_out.batches and progress.step == 0 and not progress.validation_history:  # the student at initialisation
         validate(model, held_out, budgets.values, accelerator, progress)
     empty_message = empty_stream_message(data_args, accelerator.num_processes)
@@ -821,7 +883,7 @@ def write_summary_and_card(
             },
             metrics_description=f"held-out distillation loss against the teacher at {held_out.resolution} px "
             "(lower is better): the total, and 1 - cosine of the global and the dense features",
-            description=f"Distilled from `{teacher.path}` with `examples/distill.py`.",
+            description="Distilled from its teacher (the base model below) with `examples/distill.py`.",
             training_details={
                 "optimiser steps": progress.step,
                 "learning rate": args.learning_rate,

@@ -29,7 +29,14 @@ from transformers import AutoImageProcessor, AutoModel, HfArgumentParser
 
 import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
 from veca_hf.arguments import parse_args_with_file, redact_urls
-from veca_hf.data import StreamRetries, detect_image_column, is_remote, load_image_dataset, parse_storage_options
+from veca_hf.data import (
+    StreamRetries,
+    dataset_root,
+    detect_image_column,
+    is_remote,
+    load_image_dataset,
+    parse_storage_options,
+)
 from veca_hf.embedding import (
     METADATA_FILE,
     PATCH_FEATURES,
@@ -43,6 +50,7 @@ from veca_hf.embedding import (
     summarize,
 )
 from veca_hf.hardware import warn_if_slow_bf16
+from veca_hf.hub import take_credentials
 
 
 logger = logging.getLogger("veca_hf.extract_features")
@@ -130,6 +138,7 @@ def load_model_and_processor(args: ExtractionArguments, device: torch.device):
 
 def main(argv=None):
     (args,) = parse_args_with_file(HfArgumentParser(ExtractionArguments), argv)
+    take_credentials(args)
     accelerator = Accelerator()
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     if accelerator.is_main_process:
@@ -165,7 +174,7 @@ def main(argv=None):
         Preprocess(processor, args.resolution, args.keep_size, model.config.patch_size, args.max_image_side),
         output_dir=output_dir, rows_per_file=args.rows_per_file, batch_size=args.per_device_batch_size,
         rank=accelerator.process_index, world_size=accelerator.num_processes, min_image_size=args.min_image_size,
-        root=local_root,
+        root=local_root, image_root=dataset_root(args.dataset_name),
     )  # fmt: skip
     # NOTE: not through accelerator.prepare: the lanes already split the work between processes.
     loader = DataLoader(batches, batch_size=None, num_workers=args.dataloader_num_workers)

@@ -193,7 +193,7 @@ def main():
         hub_dataset=data_args.dataset_name,
         task="image-classification",
         metrics_description="accuracy (top-1) and cross-entropy loss on the validation split",
-        description=f"Fine-tuned for image classification from `{model_args.model_name_or_path}` with "
+        description="Fine-tuned for image classification from its base model (below) with "
         "`examples/finetune_classification.py`.",
     )
 

@@ -145,8 +145,8 @@ def main():
         task="depth-estimation",
         metrics_description="RMSE, absolute relative error and delta < 1.25 over the validation pixels with a depth "
         f"(at the training resolution, short side {data_args.shortest_edge}), and the squared-error loss",
-        description=f"Fine-tuned for depth estimation ({model_args.head} head) from "
-        f"`{model_args.model_name_or_path}` with `examples/finetune_depth.py`.",
+        description=f"Fine-tuned for depth estimation ({model_args.head} head) from its base model (below) with "
+        "`examples/finetune_depth.py`.",
     )
 
 

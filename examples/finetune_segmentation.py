@@ -144,8 +144,8 @@ def main():
         task="image-segmentation",
         metrics_description="mean IoU, mean class accuracy and pixel accuracy on the validation split (labelled "
         f"pixels at the training resolution, short side {data_args.shortest_edge}), and the cross-entropy loss",
-        description=f"Fine-tuned for semantic segmentation ({model_args.head} head) from "
-        f"`{model_args.model_name_or_path}` with `examples/finetune_segmentation.py`.",
+        description=f"Fine-tuned for semantic segmentation ({model_args.head} head) from its base model (below) "
+        "with `examples/finetune_segmentation.py`.",
     )
 
 

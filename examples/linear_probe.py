@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import HfArgumentParser
 
-from veca_hf.arguments import parse_args_with_file
+from veca_hf.arguments import parse_args_with_file, redact_secrets
 from veca_hf.evaluation import (
     FeatureCache,
     ImageSet,
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         models, resolutions, budgets, classification, segmentation, num_seg_labels, cache, settings, depth=depth
     )
     logger.info(f"Feature cache {cache.cache_dir}: {cache.hits} hits, {cache.misses} extractions")
-    metadata = {**asdict(model_args), **asdict(data_args), **asdict(settings), **asdict(output_args)}
+    metadata = redact_secrets({**asdict(model_args), **asdict(data_args), **asdict(settings), **asdict(output_args)})
     paths = write_reports(results, output_args.output_dir, metadata)
     print(results_markdown(results))
     print("Wrote " + ", ".join(str(path) for path in paths))

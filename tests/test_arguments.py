@@ -231,3 +231,100 @@ def test_urls_lose_user_info_and_query_strings_wherever_they_appear(url, shown):
     assert redact_urls(f"Unable to find '{url}' (503)") == f"Unable to find '{shown}' (503)"
     redacted = redact_secrets({"dataset_name": url, "validation_split": f"{url},{url}", "nested": [{"url": url}]})
     assert redacted == {"dataset_name": shown, "validation_split": f"{shown},{shown}", "nested": [{"url": shown}]}
+
+
+SECRET = "FAKEsecret42"
+
+
+@pytest.mark.parametrize("mark", [",", "@", " ", "'", '"', "?", "#", "/", "%40"])
+def test_every_password_urllib_reads_is_redacted(mark):
+    """A password may hold any of these: what urllib reads as user info (up to the netloc's last `@`) never shows.
+    `?`, `#` and `/` end the netloc for urllib, which then reads `user:FAKE` as a host with a port it cannot parse:
+    such a URL is redacted after its scheme."""
+    from urllib.parse import urlsplit
+
+    from veca_hf.arguments import redact_urls
+
+    url = f"https://user:FAKE{mark}secret@host/a.tar"
+    readable = mark not in "?#/"
+    if readable:  # what urllib (and so fsspec, requests) sends as the password
+        assert urlsplit(url).password == f"FAKE{mark}secret" and urlsplit(url).hostname == "host"
+    shown = "https://<REDACTED>@host/a.tar" if readable else "https://<REDACTED>"
+    for text, expected in [
+        (url, shown),
+        (f"Unable to find '{url}' (503)", f"Unable to find '{shown}' (503)"),
+        (f"{url},https://other/b.tar", f"{shown},https://other/b.tar" if readable else None),
+    ]:
+        redacted = redact_urls(text)
+        assert "FAKE" not in redacted and "secret" not in redacted and "user" not in redacted, redacted
+        if expected is not None:
+            assert redacted == expected
+        assert redact_urls(redacted) == redacted  # redacting twice changes nothing
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        (f"https://u:{SECRET}a@h1/a.tar,https://u:{SECRET}b@h2/b.tar",  # a comma that starts a URL separates two
+         "https://<REDACTED>@h1/a.tar,https://<REDACTED>@h2/b.tar"),
+        (f"https://h1/a.tar?sig={SECRET},s3://b/c.tar", "https://h1/a.tar?<REDACTED>,s3://b/c.tar"),
+        (f"https://host/a.tar#token={SECRET}", "https://host/a.tar#<REDACTED>"),
+        (f"https://{SECRET}@github.com/org/repo", "https://<REDACTED>@github.com/org/repo"),  # a token as user name
+        ("https://host/shard-{a,b}.tar", "https://host/shard-{a,b}.tar"),  # a comma inside a path stays
+        (f"reading simplecache::s3://k:{SECRET}@bucket/a.tar failed",
+         "reading simplecache::s3://<REDACTED>@bucket/a.tar failed"),
+    ],
+)  # fmt: skip
+def test_url_lists_fragments_and_user_names(text, shown):
+    from veca_hf.arguments import redact_urls
+
+    assert redact_urls(text) == shown
+
+
+def test_an_empty_placeholder_drops_the_credentials():
+    from veca_hf.arguments import redact_urls
+
+    url = f"https://u:{SECRET}@host:8080/data/a.parquet?X-Amz-Signature={SECRET}#token={SECRET}"
+    assert redact_urls(url, placeholder="") == "https://host:8080/data/a.parquet"
+
+
+def test_redact_secrets_finds_credentials_by_name_and_in_command_lines():
+    from veca_hf.arguments import redact_secrets
+
+    options = json.dumps({"key": SECRET, "client_kwargs": {"endpoint_url": "http://minio:9000"}})
+    values = {
+        "command": f"python distill.py --hub_token {SECRET} --hub-token={SECRET} --storage_options '{options}' "
+        "--seed 0",
+        "unquoted": f'python distill.py --storage_options {{"key": "{SECRET}", "secret": "x"}} --seed 0',
+        "argv": ["distill.py", "--hub_token", SECRET, f"--access_token={SECRET}", "--storage_options", options,
+                 "--seed", "0", "--hub_token"],
+        "hub_tokens": [SECRET], "access_tokens": SECRET, "num_core_tokens": 8, "max_new_tokens": 20,
+        "credentials": {"user": "me", "pass": SECRET, "nested": {"x": SECRET}},
+        "pwd": SECRET, "bearer": SECRET, "sas": SECRET, "jwt": SECRET, "sas_token": SECRET, "password": 424242,
+        "url": f"https://host/a.tar#token={SECRET}",
+        "message": "Reading 'https://host/a.tar' failed --seed 0",
+    }  # fmt: skip
+    redacted = redact_secrets(values)
+    text = json.dumps(redacted)
+    assert SECRET not in text and "424242" not in text
+    redacted_options = json.dumps({"key": "<REDACTED>", "client_kwargs": "<REDACTED>"})
+    assert redacted["command"] == (
+        f"python distill.py --hub_token <HUB_TOKEN> --hub-token=<HUB_TOKEN> --storage_options '{redacted_options}' "
+        "--seed 0"
+    )
+    assert redacted["unquoted"] == "python distill.py --storage_options <REDACTED> --seed 0"
+    assert redacted["argv"] == ["distill.py", "--hub_token", "<HUB_TOKEN>", "--access_token=<ACCESS_TOKEN>",
+                                "--storage_options", redacted_options, "--seed", "0", "--hub_token"]  # fmt: skip
+    assert redacted["num_core_tokens"] == 8 and redacted["max_new_tokens"] == 20  # counts, not credentials
+    assert redacted["credentials"] == {"user": "<REDACTED>", "pass": "<REDACTED>", "nested": "<REDACTED>"}
+    assert redacted["sas_token"] == "<SAS_TOKEN>" and redacted["hub_tokens"] == "<REDACTED>"
+    assert redacted["url"] == "https://host/a.tar#<REDACTED>"
+    assert redacted["message"] == values["message"]  # text without credentials stays as it was
+
+
+def test_benchmark_records_carry_no_credentials():
+    spec = importlib.util.spec_from_file_location("benchmark_common", ROOT / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    command = common.command_line(["--hub_token", SECRET, "--images_dir", f"https://u:{SECRET}@host/photos"])
+    assert SECRET not in command and "--hub_token '<HUB_TOKEN>'" in command

@@ -4,6 +4,7 @@ another process count. A real single-process `Accelerator` on a tiny linear mode
 """
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import pytest
 import torch
 from conftest import prepared_linear
 
+from veca_hf.training import checkpointing
 from veca_hf.training.checkpointing import (
     MANIFEST_NAME,
     UnsafeCheckpointError,
@@ -90,7 +92,9 @@ def test_latest_with_no_complete_checkpoint_is_an_error_not_a_fresh_start(accele
     (tmp_path / "checkpoint-2" / "model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"no complete checkpoint in .*checkpoint-2: model.safetensors is missing"):
         resolve_resume_path("latest", tmp_path)
-    assert resolve_resume_path(None, tmp_path) is None  # no resume flag: a fresh start, as asked
+    with pytest.raises(ValueError, match="holds the checkpoints of another run"):  # nor a fresh start over them
+        resolve_resume_path(None, tmp_path)
+    assert resolve_resume_path(None, tmp_path, overwrite=True) is None  # unless asked for
     assert find_latest_checkpoint(tmp_path / "nothing-yet") is None  # the first launch of an always-`latest` job
 
 
@@ -227,3 +231,120 @@ def test_an_interrupted_re_save_keeps_the_old_copy_and_leftovers_are_cleaned(acc
     shutil.copytree(first, tmp_path / ".tmp-checkpoint-3")
     assert resolve_resume_path_on_all_ranks(accelerator, "latest", tmp_path) == first
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What counts as complete: the manifest lists exactly the folder's files
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_a_folder_without_a_manifest_is_incomplete_and_latest_falls_back(accelerator, tmp_path, caplog):
+    model, optimizer = prepared_linear(accelerator)
+    for step in (2, 4):
+        _train_step(accelerator, model, optimizer)
+        _save(accelerator, tmp_path, step)
+    # what a save killed before its manifest, or a partial copy, leaves: the state file, a truncated optimiser
+    (tmp_path / "checkpoint-4" / MANIFEST_NAME).unlink()
+    optimizer_file = tmp_path / "checkpoint-4" / "optimizer.bin"
+    optimizer_file.write_bytes(optimizer_file.read_bytes()[:10])
+    assert checkpoint_problem(tmp_path / "checkpoint-4") == f"no {MANIFEST_NAME}"
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume_path("latest", tmp_path) == tmp_path / "checkpoint-2"
+    assert f"Skipping the damaged checkpoint {tmp_path / 'checkpoint-4'} (no {MANIFEST_NAME})" in caplog.text
+
+
+def _rewrite_manifest(folder: Path, change) -> None:
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    change(manifest["files"])
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def _entry(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+@pytest.mark.parametrize("case", ["empty", "extra file", "relative outside", "absolute", "symlink outside"])
+def test_the_manifest_must_list_exactly_the_files_inside_the_folder(accelerator, tmp_path, monkeypatch, case):
+    model, optimizer = prepared_linear(accelerator)
+    path = _save(accelerator, tmp_path / "checkpoints", 2)
+    outside = tmp_path / "outside.txt"  # stands for /etc/hostname: a file the check must never open
+    outside.write_text("not part of any checkpoint")
+    if case == "empty":
+        _rewrite_manifest(path, dict.clear)
+        expected = "model.safetensors is not listed in manifest.json"
+    elif case == "extra file":
+        (path / "extra.bin").write_bytes(b"planted")
+        expected = "extra.bin is not listed in manifest.json"
+    elif case == "relative outside":
+        _rewrite_manifest(path, lambda files: files.update({"../../outside.txt": _entry(outside)}))
+        expected = "'../../outside.txt' in manifest.json is not a file inside the folder"
+    elif case == "absolute":
+        _rewrite_manifest(path, lambda files: files.update({str(outside): _entry(outside)}))
+        expected = f"{str(outside)!r} in manifest.json is not a file inside the folder"
+    else:
+        (path / "linked.bin").symlink_to(outside)
+        write_manifest(path)
+        expected = "'linked.bin' in manifest.json is not a file inside the folder"
+    hashed = []
+    real_sha256 = checkpointing._sha256
+    monkeypatch.setattr(
+        checkpointing, "_sha256", lambda file: hashed.append(Path(file).resolve()) or real_sha256(file)
+    )
+    assert checkpoint_problem(path) == expected
+    assert outside.resolve() not in hashed
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_resume_path("latest", tmp_path / "checkpoints")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A fresh run never deletes another run's checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _another_runs_checkpoints(accelerator, directory: Path) -> None:
+    prepared_linear(accelerator)
+    for step in (1000, 1500):
+        _save(accelerator, directory, step, total_limit=2)
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_runs_checkpoints(accelerator, tmp_path):
+    _another_runs_checkpoints(accelerator, tmp_path)
+    with pytest.raises(ValueError, match=r"holds the checkpoints of another run \(checkpoint-1000, checkpoint-1500\)"
+                                         r".*--resume_from_checkpoint latest.*--overwrite_output_dir"):  # fmt: skip
+        resolve_resume_path_on_all_ranks(accelerator, None, tmp_path)
+    # resuming from a checkpoint outside the folder makes a new run there too
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "checkpoint-1000", elsewhere / "checkpoint-1000")
+    with pytest.raises(ValueError, match="holds the checkpoints of another run"):
+        resolve_resume_path_on_all_ranks(accelerator, str(elsewhere / "checkpoint-1000"), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1000", "checkpoint-1500", "elsewhere"]
+    # continuing that run is what the folder is for
+    assert resolve_resume_path_on_all_ranks(accelerator, "latest", tmp_path) == tmp_path / "checkpoint-1500"
+    assert resolve_resume_path_on_all_ranks(accelerator, str(tmp_path / "checkpoint-1000"), tmp_path) == (
+        tmp_path / "checkpoint-1000"
+    )
+
+
+def test_overwrite_removes_another_runs_checkpoints_but_never_the_one_resumed_from(accelerator, tmp_path, caplog):
+    _another_runs_checkpoints(accelerator, tmp_path)
+    for resume_from_checkpoint in ("latest", str(tmp_path / "checkpoint-1000")):
+        with pytest.raises(ValueError, match="--overwrite_output_dir would remove the checkpoint"):
+            resolve_resume_path_on_all_ranks(accelerator, resume_from_checkpoint, tmp_path, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1000", "checkpoint-1500"]
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume_path_on_all_ranks(accelerator, None, tmp_path, overwrite=True) is None
+    assert os.listdir(tmp_path) == []
+    assert "--overwrite_output_dir: removed checkpoint-1000, checkpoint-1500" in caplog.text
+
+
+def test_rotation_never_deletes_the_checkpoint_it_just_saved(accelerator, tmp_path):
+    _another_runs_checkpoints(accelerator, tmp_path)
+    path = _save(accelerator, tmp_path, 500, total_limit=2)
+    assert path.is_dir() and checkpoint_problem(path) is None
+
+
+def test_a_negative_total_limit_is_refused_before_anything_is_written(accelerator, tmp_path):
+    prepared_linear(accelerator)
+    with pytest.raises(ValueError, match=r"total_limit=-1: .*0 or None keeps every checkpoint"):
+        _save(accelerator, tmp_path, 2, total_limit=-1)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

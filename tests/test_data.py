@@ -177,8 +177,8 @@ def test_load_image_dataset_sources(request, source, pattern, column, count):
     assert isinstance(dataset, datasets.IterableDataset)
     assert detect_image_column(dataset) == column
     assert isinstance(dataset.features[column], datasets.Image)
-    items = list(_stream(dataset, train=False, shuffle_buffer_size=0))
-    assert len(items) == count
+    items = list(_stream(dataset, train=False, shuffle_buffer_size=0, image_root=folder))
+    assert len(items) == count and not any(item.get("skipped") == "path_not_allowed" for item in items)
 
 
 def test_webdataset_columns_named_by_extension(tar_folder):
@@ -251,17 +251,17 @@ def test_decode_image_inputs(tmp_path):
     path = tmp_path / "x.png"
     path.write_bytes(encoded)
     for value in [encoded, {"bytes": encoded, "path": None}, {"bytes": None, "path": str(path)}, str(path), path]:
-        image, reason = decode_image(value)
+        image, reason = decode_image(value, root=tmp_path)
         assert reason is None and image.mode == "RGB" and np.asarray(image).mean() == 90
 
 
 def test_decode_image_bad_data_never_raises(image_folder):
     for name, reason in FOLDER_BAD.items():
-        assert decode_image(str(image_folder / name)) == (None, reason)
+        assert decode_image(str(image_folder / name), root=image_folder) == (None, reason)
     truncated = (image_folder / "b_truncated.jpg").read_bytes()
     assert decode_image({"bytes": truncated, "path": None}) == (None, "undecodable")
-    for value in [None, 3, b"", {"bytes": None, "path": None}, "/no/such/file.jpg"]:
-        assert decode_image(value) == (None, "undecodable")
+    for value in [None, 3, b"", {"bytes": None, "path": None}, str(image_folder / "no_such_file.jpg")]:
+        assert decode_image(value, root=image_folder) == (None, "undecodable")
     assert decode_image(_grey(50, (40, 31), "RGB")) == (None, "too_small")
     assert decode_image(_grey(50, (40, 31), "RGB"), min_size=31)[1] is None
 
@@ -392,7 +392,7 @@ def test_resize_batch():
 
 
 def test_stream_reports_bad_images_and_keeps_going(image_folder):
-    items = list(_stream(_load(str(image_folder))))
+    items = list(_stream(_load(str(image_folder)), image_root=image_folder))
     assert len(items) == 15
     assert Counter(item["skipped"] for item in items if item["pixel_values"] is None) == Counter(
         {"undecodable": 2, "too_small": 1}
@@ -425,8 +425,12 @@ def test_collate_all_skipped():
 
 @pytest.mark.parametrize("source, world_size", [("image_folder", 2), ("parquet_folder", 2), ("parquet_folder", 3)])
 def test_ranks_read_disjoint_parts(request, source, world_size):
-    dataset = _load(str(request.getfixturevalue(source)))
-    parts = [_keys(_stream(dataset, train=False, rank=rank, world_size=world_size)) for rank in range(world_size)]
+    folder = request.getfixturevalue(source)
+    dataset = _load(str(folder))
+    parts = [
+        _keys(_stream(dataset, train=False, rank=rank, world_size=world_size, image_root=folder))
+        for rank in range(world_size)
+    ]
     assert all(parts)
     assert sorted(itertools.chain(*parts)) == list(range(12))  # disjoint, and everything once
 
@@ -440,14 +444,16 @@ def test_dataloader_workers_single_shard_folder(image_folder):
     """A streamed folder is one shard: both workers walk it and each decodes every other example."""
     dataset = _load(str(image_folder))
     assert dataset.num_shards == 1
-    batches = _worker_batches(_stream(dataset, train=False))
+    batches = _worker_batches(_stream(dataset, train=False, image_root=image_folder))
     assert sum(batch["num_skipped"] for batch in batches) == 3
     keys = [_key(x) for batch in batches if batch["pixel_values"] is not None for x in batch["pixel_values"]]
     assert sorted(keys) == list(range(12))  # no duplicates, nothing missing
 
     # Round robin over the same stream: each example gets the same augmentation as without workers.
-    single = [item["pixel_values"] for item in _stream(dataset) if item["pixel_values"] is not None]
-    batches = _worker_batches(_stream(dataset))
+    single = [
+        item["pixel_values"] for item in _stream(dataset, image_root=image_folder) if item["pixel_values"] is not None
+    ]
+    batches = _worker_batches(_stream(dataset, image_root=image_folder))
     multi = [x for batch in batches if batch["pixel_values"] is not None for x in batch["pixel_values"]]
     assert len(multi) == len(single) == 12
     assert sorted(next(i for i, y in enumerate(single) if torch.equal(x, y)) for x in multi) == list(range(12))
@@ -467,12 +473,12 @@ def test_dataloader_workers_whole_shards(parquet_folder):
 def test_stream_is_deterministic_and_leaves_global_rng_alone(image_folder):
     dataset = _load(str(image_folder))
     torch_state, python_state, numpy_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    first = list(_stream(dataset, seed=3))
+    first = list(_stream(dataset, image_root=image_folder, seed=3))
     assert torch.equal(torch.get_rng_state(), torch_state)
     assert random.getstate() == python_state
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_state, strict=True))
 
-    second = list(_stream(dataset, seed=3))
+    second = list(_stream(dataset, image_root=image_folder, seed=3))
     assert len(first) == len(second) == 15
     for a, b in zip(first, second, strict=True):
         assert a.get("skipped") == b.get("skipped")
@@ -480,9 +486,9 @@ def test_stream_is_deterministic_and_leaves_global_rng_alone(image_folder):
             a["pixel_values"], b["pixel_values"]
         )
 
-    order = _keys(_stream(dataset, train=False, seed=3))
-    assert _keys(_stream(dataset, train=False, seed=3)) == order
-    next_epoch = _stream(dataset, train=False, seed=3)
+    order = _keys(_stream(dataset, image_root=image_folder, train=False, seed=3))
+    assert _keys(_stream(dataset, image_root=image_folder, train=False, seed=3)) == order
+    next_epoch = _stream(dataset, image_root=image_folder, train=False, seed=3)
     next_epoch.set_epoch(1)
     assert next_epoch.epoch == 1
     assert sorted(_keys(next_epoch)) == sorted(order) and _keys(next_epoch) != order
@@ -491,11 +497,11 @@ def test_stream_is_deterministic_and_leaves_global_rng_alone(image_folder):
 def test_skipping_consumed_items_replays_the_rest_exactly(image_folder):
     """The resume property: a rebuilt stream, with the first k items discarded, continues bit for bit."""
     dataset = _load(str(image_folder))
-    stream = _stream(dataset, seed=5)
+    stream = _stream(dataset, image_root=image_folder, seed=5)
     stream.set_epoch(2)
     full = list(stream)
     for k in (1, 7):
-        resumed = _stream(dataset, seed=5)
+        resumed = _stream(dataset, image_root=image_folder, seed=5)
         resumed.set_epoch(2)
         rest = list(itertools.islice(resumed, k, None))
         assert len(rest) == len(full) - k
@@ -526,10 +532,11 @@ def _same_batches(expected: list[dict], actual: list[dict]) -> None:
 def test_resume_skips_consumed_samples_and_continues_exactly(request, source, num_workers, batch_size):
     """Interrupted after any number of batches, a fresh DataLoader with `resume_plan` yields the same remaining
     batches, bit for bit, in the same order."""
-    dataset = _load(str(request.getfixturevalue(source)))
+    folder = request.getfixturevalue(source)
+    dataset = _load(str(folder))
 
     def batches(skip=None):
-        stream = _stream(dataset, seed=1)
+        stream = _stream(dataset, seed=1, image_root=folder)
         stream.set_epoch(1)
         stream.set_skip(skip)
         return list(
@@ -674,7 +681,7 @@ def test_skipped_samples_are_not_decoded(image_folder, monkeypatch):
     monkeypatch.setattr(
         veca_hf.data.stream, "decode_image", lambda value, **kwargs: decoded.append(1) or decode(value, **kwargs)
     )
-    stream = _stream(_load(str(image_folder)), seed=1)
+    stream = _stream(_load(str(image_folder)), seed=1, image_root=image_folder)
     stream.set_skip([10])
     assert len(list(stream)) == 15 - 10 and len(decoded) == 15 - 10
     stream.set_skip([1, 2])

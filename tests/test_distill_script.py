@@ -128,7 +128,8 @@ def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tm
     # The folder is publishable: a model card whose metadata parses back, with the held-out loss per budget.
     card = ModelCard.load(output_dir / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "image-feature-extraction"
-    assert "| 8 |" in card.text and "| 16 |" in card.text and str(workspace / "teacher") in card.text
+    assert "| 8 |" in card.text and "| 16 |" in card.text and "| base model | a local folder |" in card.text
+    assert str(workspace) not in card.text  # a public card names no path of this machine
 
 
 def test_two_processes_stream_disjoint_data_skip_a_non_finite_step_together_and_save(workspace, tmp_path):
@@ -504,6 +505,8 @@ def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monk
     )
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: uploads.append(kw))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", "restored after the test")  # the run moves --hub_token into HF_TOKEN
+    monkeypatch.delenv("HF_TOKEN")
     spec = importlib.util.spec_from_file_location("distill_secrets", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -514,15 +517,75 @@ def test_credentials_never_reach_disk_logs_or_trackers(workspace, tmp_path, monk
     argv += ["--storage_options", json.dumps({"key": "AKIAFAKEKEYID", "secret": secret, "anon": False})]
     monkeypatch.setattr(sys, "argv", ["distill.py", *argv])
     script.main()
-    assert len(uploads) == 1  # the upload happened (with the token, held by the API object only)
+    assert len(uploads) == 1  # the upload happened (with the token, in this process's HF_TOKEN only)
+    assert os.environ["HF_TOKEN"] == token and token not in " ".join(sys.argv) and secret not in " ".join(sys.argv)
     written = [path for path in output_dir.rglob("*") if path.is_file()]
     assert any("events.out.tfevents" in p.name for p in written) and any(
         p.name == "training_state.json" for p in written
     )
     assert [p for p in written if token.encode() in p.read_bytes() or secret.encode() in p.read_bytes()] == []
     state = json.loads(next(p for p in written if p.name == "training_state.json").read_text())
-    assert state["args"]["hub_token"] == "<HUB_TOKEN>"
+    assert state["args"]["hub_token"] is None  # taken out of the arguments before anything is written
     options = json.loads(state["args"]["storage_options"])  # every option's whole value; the names stay
     assert options == {"key": "<REDACTED>", "secret": "<REDACTED>", "anon": "<REDACTED>"}
     out, err = capfd.readouterr()
     assert token not in out + err and secret not in out + err
+
+
+def parse_distill_args(argv: list[str]):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("distill_arguments", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "flag, value, fix",
+    [("checkpoints_total_limit", "-1", "0 or null keeps every checkpoint"), ("checkpointing_steps", "-5", "0 never"),
+     ("max_consecutive_nonfinite_steps", "0", "1 stops"), ("warmup_steps", "-1", "0 means no warm-up"),
+     ("teacher_micro_batch_size", "0", "leave it out"), ("validation_size", "-1", "0 holds out nothing"),
+     ("shuffle_buffer_size", "-1", "0 streams without shuffling"), ("dataloader_num_workers", "-2", "0 loads"),
+     ("min_image_size", "-1", "0 keeps every image"), ("stream_retries", "0", "1 tries"),
+     ("stream_retry_wait", "-1.0", "0 retries at once"), ("stream_timeout", "-1.0", "aiohttp's default")],
+)  # fmt: skip
+def test_every_count_flag_is_checked_when_parsed(flag, value, fix):
+    with pytest.raises(ValueError, match=rf"--{flag} must be at least 0?1?, got {value}: .*{fix}"):
+        parse_distill_args(["--dataset_name", "images", f"--{flag}", value])
+
+
+def test_checkpoints_total_limit_0_keeps_every_checkpoint():
+    args = parse_distill_args(["--dataset_name", "images", "--checkpoints_total_limit", "0"])[2]
+    assert args.checkpoints_total_limit == 0 and "0 or null: keep every checkpoint" in str(
+        type(args).__dataclass_fields__["checkpoints_total_limit"].metadata["help"]
+    )
+
+
+def test_the_demo_config_starts_over_each_time():
+    """`bash run.sh` twice in a row distils into the same folder: each run replaces the last one's checkpoints."""
+    args = parse_distill_args([str(ROOT / "examples" / "configs" / "demo_cpu.yaml")])[2]
+    assert args.overwrite_output_dir and args.resume_from_checkpoint is None
+
+
+def test_a_new_run_never_deletes_another_runs_checkpoints(workspace, tmp_path):
+    """Another run left checkpoint-4 and checkpoint-6 (limit 2); a new run there would save checkpoint-2 and rotate it
+    away at once, then replace the others: it stops before any work, unless --overwrite_output_dir."""
+    output_dir = tmp_path / "used"
+    run_distill(distill_args(workspace, output_dir, max_train_steps=6, checkpoints_total_limit=2))
+    checkpoints = output_dir / "checkpoints"
+    weights = (checkpoints / "checkpoint-6" / "model.safetensors").read_bytes()
+    new_run = distill_args(workspace, output_dir, max_train_steps=2, checkpoints_total_limit=2)
+    result = run_distill(new_run, check=False)
+    assert result.returncode != 0
+    assert "holds the checkpoints of another run (checkpoint-4, checkpoint-6)" in result.stderr
+    assert "--resume_from_checkpoint latest" in result.stderr and "--overwrite_output_dir" in result.stderr
+    # refused before the teacher, the data or a step
+    assert "Patch embedding copied from the teacher" not in result.stderr and "Student:" not in result.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert (checkpoints / "checkpoint-6" / "model.safetensors").read_bytes() == weights
+
+    result = run_distill(new_run + ["--overwrite_output_dir", "true"])
+    assert "--overwrite_output_dir: removed checkpoint-4, checkpoint-6 of an earlier run" in result.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2"]
+    assert json.loads((output_dir / "distill_results.json").read_text())["step"] == 2

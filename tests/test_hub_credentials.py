@@ -1,13 +1,16 @@
 """Credentials stay off disk: a Hub token given with `--hub_token` to any of the four example scripts is in no file the
 run writes (pickles such as `training_args.bin` included), in nothing it uploads and in nothing it prints; it reaches
 the Hub in the Authorization header only. The Hub is `tests/fake_hub.py` on 127.0.0.1 (`HF_ENDPOINT`), which records
-every request. Also: `veca_hf.hub.take_hub_token` on its own, and model cards without a URL's credentials."""
+every request. Also: `veca_hf.hub.take_credentials` on its own and in each script, and model cards without a URL's
+credentials."""
 
+import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import huggingface_hub
@@ -22,7 +25,7 @@ from test_finetune import write_image_folder
 from transformers import TrainingArguments
 
 from veca_hf import VecaImageProcessor, VecaModel
-from veca_hf.hub import take_hub_token
+from veca_hf.hub import take_credentials
 from veca_hf.model_card import write_model_card
 
 
@@ -114,14 +117,25 @@ def test_hub_token_reaches_the_hub_only_in_the_authorization_header(name, hub, t
     leaks += [f"the script's {stream}" for stream, text in (("stdout", result.stdout), ("stderr", result.stderr))
               if TOKEN in text]  # fmt: skip
     assert leaks == [], "the token is in:\n" + "\n".join(leaks)
+    # Every card uploaded (Trainer's, then VECA's) names the model and the data without this machine's paths.
+    cards = [commit.files["README.md"].decode() for commit in hub.commits if "README.md" in commit.files]
+    assert cards and not [card for card in cards if str(tmp_path.parent) in card], cards
 
 
-def test_take_hub_token_moves_the_flag_to_this_process_only(monkeypatch, tmp_path, caplog):
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+@dataclass
+class HubArguments:
+    hub_token: str | None = None
+    storage_options: str | None = None
+    seed: int = 0
+
+
+def test_take_credentials_moves_the_token_to_this_process_only(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("HF_TOKEN", "restored after the test")
+    monkeypatch.delenv("HF_TOKEN")
     monkeypatch.setattr(sys, "argv", ["script.py", "--hub_token", TOKEN, f"--hub_token={TOKEN}", "--seed", "0"])
     args = TrainingArguments(output_dir=str(tmp_path), push_to_hub=True, hub_token=TOKEN, report_to="none")
     with caplog.at_level(logging.WARNING):
-        take_hub_token(args)
+        take_credentials(args)
     assert args.hub_token is None and os.environ["HF_TOKEN"] == TOKEN
     assert sys.argv == ["script.py", "--hub_token", "<HUB_TOKEN>", "--hub_token=<HUB_TOKEN>", "--seed", "0"]
     assert "hf auth login" in caplog.text and "HF_TOKEN" in caplog.text and TOKEN not in caplog.text
@@ -130,13 +144,73 @@ def test_take_hub_token_moves_the_flag_to_this_process_only(monkeypatch, tmp_pat
     # without the flag nothing changes and nothing is logged
     monkeypatch.setenv("HF_TOKEN", "hf_fromTheEnvironment")
     caplog.clear()
-    take_hub_token(TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+    take_credentials(TrainingArguments(output_dir=str(tmp_path), report_to="none"))
     assert os.environ["HF_TOKEN"] == "hf_fromTheEnvironment" and caplog.text == ""
     # huggingface_hub told to send no implicit token would not send HF_TOKEN: an error now, not after training
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_IMPLICIT_TOKEN", True)
     args = TrainingArguments(output_dir=str(tmp_path), push_to_hub=True, hub_token=TOKEN, report_to="none")
     with pytest.raises(ValueError, match="unset HF_HUB_DISABLE_IMPLICIT_TOKEN"):
-        take_hub_token(args)
+        take_credentials(args)
+
+
+def test_take_credentials_clears_abbreviated_flags_and_keeps_what_the_run_needs(monkeypatch):
+    """argparse takes `--hub_tok` and `--storage_opt` for the full names: the values are found as parsed."""
+    monkeypatch.setenv("HF_TOKEN", "restored after the test")
+    options = json.dumps({"key": "FAKEsecret42"})
+    monkeypatch.setattr(sys, "argv", ["script.py", "--hub_tok", TOKEN, f"--storage_opt={options}", "--seed", "0"])
+    args = HubArguments(hub_token=TOKEN, storage_options=options)
+    take_credentials(args)
+    assert sys.argv == ["script.py", "--hub_tok", "<HUB_TOKEN>", f"--storage_opt={json.dumps({'key': '<REDACTED>'})}",
+                        "--seed", "0"]  # fmt: skip
+    assert args.storage_options == options  # the run reads the shards with them
+
+
+class Parsed(Exception):
+    """Raised where a script would start its work: the command line has been parsed and its credentials taken."""
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["distill", "extract_features", "finetune_classification"])
+def test_every_script_takes_its_credentials_off_the_command_line(name, monkeypatch, tmp_path):
+    """What trackers record of the command line (`sys.argv`, wandb) holds no token, storage key or URL password."""
+    monkeypatch.setenv("HF_TOKEN", "restored after the test")
+    monkeypatch.delenv("HF_TOKEN")
+    script = _load_script(name)
+    url = "https://user:FAKEpassword42@data.example.com/shard-{0..3}.tar"
+    options = ["--storage_options", json.dumps({"key": "FAKEkey42", "secret": "FAKEsecret42"})]
+    output = ["--output_dir", str(tmp_path / "out")]
+    hub = ["--push_to_hub", "--hub_token", TOKEN]
+    if name == "distill":  # stops where the Accelerator would be built
+        monkeypatch.setattr(script, "build_accelerator", lambda *args: (_ for _ in ()).throw(Parsed()))
+        argv, run = ["--dataset_name", url, *options, *output, *hub], script.main
+    elif name == "extract_features":
+        monkeypatch.setattr(script, "Accelerator", lambda *args: (_ for _ in ()).throw(Parsed()))
+        argv, run = ["--model_name_or_path", "m", "--dataset_name", url, *options, *output], script.main
+    else:  # the fine-tuning scripts share their parsing
+        import veca_hf.training.trainer as trainer
+
+        monkeypatch.setattr(trainer, "tune_cpu_allocator", lambda: None)
+        monkeypatch.setattr(trainer, "setup_logging", lambda *args: (_ for _ in ()).throw(Parsed()))
+        argv = ["--model_name_or_path", "m", "--dataset_name", url, *output, "--do_train", "--report_to", "none", *hub]
+
+        def run():
+            trainer.parse_finetuning_args((script.ModelArguments, script.DataTrainingArguments), script.logger)
+
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    with pytest.raises(Parsed):
+        run()
+    recorded = " ".join(sys.argv)
+    for secret in (TOKEN, "FAKEpassword42", "FAKEkey42", "FAKEsecret42"):
+        assert secret not in recorded, (secret, sys.argv)
+    assert "https://<REDACTED>@data.example.com/shard-{0..3}.tar" in sys.argv
+    if "--hub_token" in argv:
+        assert os.environ["HF_TOKEN"] == TOKEN and "<HUB_TOKEN>" in sys.argv
 
 
 def test_model_card_names_a_url_dataset_without_its_credentials(tmp_path):
@@ -145,6 +219,6 @@ def test_model_card_names_a_url_dataset_without_its_credentials(tmp_path):
     url = "https://user:s3cret@data.example.com/shards/train.parquet?X-Amz-Signature=abc123&sig=def456"
     write_model_card(folder, datasets=["ILSVRC/imagenet-1k", url], measure_latency=False, resolutions=(64,))
     text = (folder / "README.md").read_text()
-    assert "https://<REDACTED>@data.example.com/shards/train.parquet?<REDACTED>" in text
+    assert "- `https://data.example.com/shards/train.parquet`" in text
     assert "s3cret" not in text and "abc123" not in text and "def456" not in text and "user:" not in text
     assert ModelCard.load(folder / "README.md").data.datasets == ["ILSVRC/imagenet-1k"]

@@ -1,5 +1,7 @@
 """Model cards (`veca_hf.model_card`) and the converter's Hub flags. The Hub is never called: uploads are faked."""
 
+from types import SimpleNamespace
+
 import huggingface_hub
 import pytest
 from conftest import FIXTURES, tiny_config
@@ -59,8 +61,8 @@ def test_card_metadata_parses_back(tiny_folder):
     assert card.data.pipeline_tag == "image-feature-extraction"
     assert {"veca", "vision", "custom_code"} <= set(card.data.tags)
     assert card.data.base_model == TEACHER
-    assert card.data.datasets == ["ILSVRC/imagenet-1k"]  # local paths stay out of the metadata...
-    assert str(tiny_folder) in card.text  # ...but are named in the text
+    assert card.data.datasets == ["ILSVRC/imagenet-1k"]  # local paths stay out of the metadata and the text
+    assert str(tiny_folder) not in card.text and "- a local folder" in card.text
 
 
 def test_card_has_a_row_per_budget_with_flops_and_latency(tiny_folder):
@@ -181,3 +183,52 @@ def test_default_resolutions_follow_the_patch_size(tmp_path):
     tiny_config(patch_size=14).save_pretrained(tmp_path)
     card = write_model_card(tmp_path, measure_latency=False)
     assert "GFLOPs @ 224 px" in card.text and "GFLOPs @ 448 px" in card.text
+
+
+def test_card_names_hub_ids_never_local_paths(tiny_folder, tmp_path, monkeypatch):
+    """A public card names a Hub id, a URL without its credentials, or "a local folder": never this machine's paths."""
+    teacher = tmp_path / "home" / "me" / ".cache" / "veca_hf" / "teacher"
+    teacher.mkdir(parents=True)
+    (tmp_path / "photos").mkdir()
+    monkeypatch.chdir(tmp_path)  # "photos" is a local folder here, though it is spelled like a Hub id
+    url = "https://user:FAKEsecret42@data.example.com/a-{0,1}.parquet?sig=FAKEsecret42#token=FAKEsecret42"
+    datasets = ["ILSVRC/imagenet-1k", "photos", str(tmp_path / "shards" / "train-*.parquet"), "~/data/train", url]
+    card = write_model_card(tiny_folder, base_model=str(teacher), datasets=datasets, measure_latency=False)
+    text = (tiny_folder / "README.md").read_text()
+    for local in (str(tmp_path), "/home/", ".cache", "~/data", "photos", "FAKEsecret42", "user"):
+        assert local not in text, local
+    assert "| base model | a local folder |" in text and "derive from a local folder" in text
+    assert "- `ILSVRC/imagenet-1k`\n- a local folder\n- local files\n- local files\n" in text
+    assert "- `https://data.example.com/a-{0,1}.parquet`" in text
+    assert card.data.base_model is None and card.data.datasets == ["ILSVRC/imagenet-1k"]
+
+    card = write_model_card(tiny_folder, base_model=TEACHER, datasets="ILSVRC/imagenet-1k", measure_latency=False)
+    assert f"| base model | [`{TEACHER}`](https://huggingface.co/{TEACHER}) |" in card.text
+    assert card.data.base_model == TEACHER
+
+
+@pytest.mark.parametrize("hub", [False, True])
+def test_trainers_own_card_names_no_local_path(tmp_path, hub):
+    """`Trainer.push_to_hub` uploads its own card before the VECA card replaces it: it gets Hub ids only."""
+    from veca_hf.budgets import BudgetArguments
+    from veca_hf.training.trainer import train_evaluate_and_publish
+
+    pushed = {}
+
+    class FakeTrainer:
+        args = SimpleNamespace(do_train=False, do_eval=False, push_to_hub=True, output_dir=str(tmp_path / "out"))
+        model = VecaModel(tiny_config())
+
+        def push_to_hub(self, **kwargs):
+            pushed.update(kwargs)
+
+        def is_world_process_zero(self):
+            return True
+
+    (tmp_path / "data").mkdir()
+    base_model, dataset = (TEACHER, "ILSVRC/imagenet-1k") if hub else (str(tmp_path), str(tmp_path / "data"))
+    train_evaluate_and_publish(
+        FakeTrainer(), BudgetArguments(), None, base_model=base_model, datasets=dataset, hub_dataset=dataset,
+        task="image-classification", metrics_description="", description="",
+    )  # fmt: skip
+    assert (pushed["finetuned_from"], pushed["dataset"]) == ((TEACHER, "ILSVRC/imagenet-1k") if hub else (None, None))

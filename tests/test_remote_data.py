@@ -34,6 +34,7 @@ from veca_hf.data import (
     build_transform,
     check_shard_count,
     collate_images,
+    dataset_root,
     expand_braces,
     load_image_dataset,
     parse_storage_options,
@@ -306,8 +307,10 @@ def test_credentials_in_urls_reach_no_log_error_or_sample_source(credential_file
 def test_remote_images_are_read_with_their_credentials_and_sourced_without(credential_files):
     """An image folder by URLs with a password: each image is read with it, its source is the redacted URL."""
     with ShardServer(credential_files, **CREDENTIALS["userinfo"]) as server:
-        dataset = load_image_dataset(_url_with_credentials(server, "img-{0..7}.png", "userinfo"))
-        stream = ImageStream(dataset, "image", build_transform(32, train=True), seed=0, shuffle_buffer_size=0)
+        url = _url_with_credentials(server, "img-{0..7}.png", "userinfo")
+        dataset = load_image_dataset(url)
+        stream = ImageStream(dataset, "image", build_transform(32, train=True), seed=0, shuffle_buffer_size=0,
+                             image_root=dataset_root(url))  # fmt: skip
         batches = list(torch.utils.data.DataLoader(stream, batch_size=4, collate_fn=collate_images))
     assert sum(len(batch["pixel_values"]) for batch in batches) == 8
     sources = [source for batch in batches for source in batch["sources"]]

@@ -16,9 +16,11 @@ that is what keeps `null` as `None` (as strings it became `'None'`, or failed fo
 import argparse
 import json
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 from transformers import HfArgumentParser
@@ -29,82 +31,173 @@ __all__ = ["ARGS_FILE_SUFFIXES", "parse_args_with_file", "redact_secrets", "reda
 ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
 
-# Names of values that are credentials, by a part of their (lower-case) name: Hub tokens, storage keys and secrets.
-_SECRET_NAME_PARTS = ("token", "secret", "password", "passwd", "credential", "key", "auth", "cookie", "signature")
-_NOT_SECRET_NAMES = ("key_prefix", "keys", "push_to_hub")
-# Arguments whose every value is redacted: fsspec options hold credentials under names nobody can list in advance
-# (`headers`: `Authorization`, `Cookie`; `client_kwargs`; a protocol's own options).
-_WHOLLY_SECRET_NAMES = ("storage_options",)
-# A URL's user info (`user:pass@`) and its query string (signed URLs: `X-Amz-Signature=`, `sig=`, `token=`); a
-# comma ends a URL (lists of them in one flag).
-_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s?#,]*@)?(?P<rest>[^\s?#'\",]*)"
-                  r"(?P<query>\?[^\s#'\",]*)?")  # fmt: skip
+# A value is a credential when a part of its (lower-case) name is one of these: Hub tokens, storage keys, passwords,
+# signatures, bearer / SAS / JSON web tokens, cookies; or when it is `storage_options` (fsspec options hold
+# credentials under names nobody can list in advance: `headers`' `Authorization`, `client_kwargs`, ...).
+_SECRET_NAME_PARTS = ("token", "secret", "passw", "pwd", "credential", "key", "auth", "cookie", "signature",
+                      "bearer", "sas", "jwt")  # fmt: skip
+_SECRET_NAMES = ("storage_options",)
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
+# A character of a URL that does not start the next URL of a comma-separated list (`a.tar,https://host/b.tar`).
+_IN_URL = rf"(?!,{_SCHEME})"
+# A URL in free text runs from its `scheme://` to the next whitespace or quote. Its user info runs, as urllib reads
+# it, up to the last `@` before the netloc ends (`/`, `?`, `#`): that part may hold commas, quotes and spaces.
+_URL = re.compile(
+    rf"(?P<scheme>{_SCHEME})(?:(?:{_IN_URL}[^/?#\r\n])*@)?(?:{_IN_URL}[^\s'\"/?#])*(?:{_IN_URL}[^\s'\"])*"
+)
+# One shell word: unquoted characters, backslash escapes and quoted strings (a command line in a log or a record).
+_SHELL_WORD = re.compile(r"""(?:[^\s'"\\]|\\.|'[^']*'|"(?:[^"\\]|\\.)*")+""")
+_FLAG = re.compile(r"--(?P<name>[A-Za-z][\w.-]*)(?:=(?P<value>.*))?", re.DOTALL)
 
 
 def _is_secret_name(name: str) -> bool:
-    name = name.lower()
-    if name in _NOT_SECRET_NAMES or name.endswith("_tokens"):  # counts such as num_core_tokens
-        return False
-    return any(part in name for part in _SECRET_NAME_PARTS)
+    name = name.lower().replace("-", "_")
+    return name in _SECRET_NAMES or any(part in name for part in _SECRET_NAME_PARTS)
 
 
-def redact_urls(text: str) -> str:
-    """`text` with the user info and the query string of every URL in it replaced by placeholders:
-    `https://user:pass@host/a.parquet?X-Amz-Signature=abc` -> `https://<REDACTED>@host/a.parquet?<REDACTED>`.
-    Use it for every URL that is logged, stored, put in a model card or an error message."""
+def redact_urls(text: str, placeholder: str = "<REDACTED>") -> str:
+    """
+    `text` with the credentials of every URL in it replaced by `placeholder`: the user info, the query string
+    (signed URLs: `X-Amz-Signature=`, `sig=`, `token=`) and the fragment (`#token=`).
+    `https://user:pass@host/a.parquet?X-Amz-Signature=abc` -> `https://<REDACTED>@host/a.parquet?<REDACTED>`; with
+    `placeholder=""` they are left out: `https://host/a.parquet`. Use it for every URL that is logged, stored, put in
+    a model card or an error message.
+
+    Each URL is read by `urllib.parse.urlsplit`, as fsspec and requests read it: the user info is everything before
+    the netloc's last `@` (a password may hold `,`, `@`, quotes or spaces). A URL that urllib cannot read (a port
+    that is not a number: a password cut short by `/`, `?` or `#`) is redacted whole after its scheme. In a
+    comma-separated list, a comma ends a URL only where the next one starts (`,https://`): a comma of a password or
+    a path stays in its URL.
+    """
 
     def replace(match: re.Match) -> str:
-        userinfo = "<REDACTED>@" if match["userinfo"] else ""
-        query = "?<REDACTED>" if match["query"] and match["query"] != "?" else ""
-        return f"{match['scheme']}{userinfo}{match['rest']}{query}"
+        scheme, url = match["scheme"], match[0]
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (raises for a netloc urllib cannot read)
+        except ValueError:
+            return f"{scheme}{placeholder}"
+        userinfo, at, host = parts.netloc.rpartition("@")
+        redacted = f"{scheme}{f'{placeholder}@' if at and placeholder else ''}{host}{parts.path}"
+        if parts.query and placeholder:
+            redacted += f"?{placeholder}"
+        if parts.fragment and placeholder:
+            redacted += f"#{placeholder}"
+        return redacted
 
     return _URL.sub(replace, text)
 
 
-def _redact_every_value(values):
-    if isinstance(values, dict):
-        return {name: "<REDACTED>" for name in values}
-    return "<REDACTED>"
+def _placeholder(name: str) -> str:
+    """`<HUB_TOKEN>` for a `hub_token` (as `TrainingArguments` writes it), `<REDACTED>` for anything else."""
+    name = name.lower().replace("-", "_")
+    return f"<{name.upper()}>" if name.endswith("_token") else "<REDACTED>"
+
+
+def _redact_named(name: str, value):
+    """The value of a credential's name: redacted whole; a mapping (or its JSON) keeps its names, not its values."""
+    if value is None or value == "" or isinstance(value, bool):
+        return value
+    if type(value) is int and name.lower().endswith(("tokens", "keys")):  # a count: num_core_tokens, max_new_tokens
+        return value
+    parsed = value
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            pass
+    if isinstance(parsed, dict):
+        redacted = {key: "<REDACTED>" for key in parsed}
+        return json.dumps(redacted) if isinstance(value, str) else redacted
+    return _placeholder(name)
+
+
+def _unclosed(value: str) -> bool:
+    return value.count("{") + value.count("[") > value.count("}") + value.count("]")
+
+
+def _redact_argv(words: list[str]) -> dict[int, str | None]:
+    """The values of credential flags in `words` (a command line split into words) as `{index: replacement}`;
+    `None` where a word was part of a value the shell split (unquoted JSON: `{"key": "abc"}`)."""
+    replacements = {}
+    index = 0
+    while index < len(words):
+        match = _FLAG.fullmatch(words[index]) if isinstance(words[index], str) else None
+        if match and _is_secret_name(match["name"]):
+            if match["value"] is not None:  # --name=value
+                replacements[index] = f"--{match['name']}={_redact_named(match['name'], match['value'])}"
+            elif index + 1 < len(words) and isinstance(words[index + 1], str) and not words[index + 1].startswith("-"):
+                end, value = index + 1, words[index + 1]
+                while _unclosed(value) and end + 1 < len(words):  # unquoted JSON that the shell split at spaces
+                    end += 1
+                    value += f" {words[end]}"
+                replacements[index + 1] = _redact_named(match["name"], value)
+                replacements.update(dict.fromkeys(range(index + 2, end + 1)))
+                index = end
+        index += 1
+    return replacements
+
+
+def _redact_command(text: str) -> str:
+    """`text` with the values of its credential flags (`--hub_token X`, `--hub_token=X`, `--storage_options '{..}'`)
+    redacted, read as a shell would split it; the rest of the text stays as it was."""
+    spans = [match.span() for match in _SHELL_WORD.finditer(text)]
+    words = []
+    for start, end in spans:
+        try:
+            words.append(" ".join(shlex.split(text[start:end])))
+        except ValueError:  # an unclosed quote
+            words.append(text[start:end])
+    replacements = _redact_argv(words)
+    for index in sorted(replacements, reverse=True):
+        start, end = spans[index]
+        new = replacements[index]
+        if new is None:  # joined into the previous word's value: drop it and the whitespace before it
+            start = spans[index - 1][1]
+            new = ""
+        elif re.search(r"[\s'\"\\]", new):
+            new = shlex.quote(new)
+        text = text[:start] + new + text[end:]
+    return text
 
 
 def redact_secrets(values):
     """
-    A copy of `values` (arguments as a dict, possibly nested, with JSON strings such as `--storage_options`) in which
-    every credential is replaced by a placeholder, the way `TrainingArguments` writes `<HUB_TOKEN>`: `hub_token` ->
-    `"<HUB_TOKEN>"`; any other value whose name holds "token", "secret", "password", "credential", "key", "auth",
-    "cookie" or "signature" -> `"<REDACTED>"`; every value of `storage_options` (its option names stay); and the user
-    info and query string of every URL (`redact_urls`). Use it for everything that reaches a disk, a log or a tracker.
+    A copy of `values` (arguments as a dict, possibly nested; a list of command-line words; a string) in which every
+    credential is replaced by a placeholder. Use it for everything that reaches a disk, a log, a tracker or a card.
+
+    - By name: a value whose (lower-case) name holds "token", "secret", "passw", "pwd", "credential", "key", "auth",
+      "cookie", "signature", "bearer", "sas" or "jwt", or is `storage_options`, is redacted whole: `hub_token` ->
+      `"<HUB_TOKEN>"` (the way `TrainingArguments` writes it), others -> `"<REDACTED>"`; a mapping (or its JSON)
+      keeps its names and loses every value. Left as they are: `None`, `""`, booleans, and integers under a plural
+      name (counts such as `num_core_tokens`).
+    - In command lines: the value of a flag with such a name, in a list of words (`["--hub_token", "X"]`) or in a
+      string a shell would split (`"... --hub_token X"`, `--hub_token=X`, `--storage_options '{...}'`).
+    - In every string: the user info, query string and fragment of every URL (`redact_urls`).
     """
     if isinstance(values, dict):
-        redacted = {}
-        for name, value in values.items():
-            if value is None or value == "" or isinstance(value, bool):
-                redacted[name] = value
-            elif str(name) in _WHOLLY_SECRET_NAMES:
-                parsed = value
-                if isinstance(value, str):
-                    try:
-                        parsed = json.loads(value)
-                    except ValueError:
-                        parsed = None
-                redacted[name] = (
-                    json.dumps(_redact_every_value(parsed)) if isinstance(value, str) else _redact_every_value(parsed)
-                )
-            elif _is_secret_name(str(name)) and not isinstance(value, dict):
-                redacted[name] = f"<{str(name).upper()}>" if str(name).endswith("_token") else "<REDACTED>"
-            else:
-                redacted[name] = redact_secrets(value)
-        return redacted
+        return {
+            name: _redact_named(str(name), value) if _is_secret_name(str(name)) else redact_secrets(value)
+            for name, value in values.items()
+        }
     if isinstance(values, (list, tuple)):
-        return type(values)(redact_secrets(value) for value in values)
-    if isinstance(values, str) and values.lstrip().startswith("{"):
-        try:
-            parsed = json.loads(values)
-        except ValueError:
-            return redact_urls(values)
-        return json.dumps(redact_secrets(parsed)) if isinstance(parsed, dict) else redact_urls(values)
+        replacements = _redact_argv(list(values))
+        redacted = [
+            replacements[index] if index in replacements else redact_secrets(value)
+            for index, value in enumerate(values)
+            if index not in replacements or replacements[index] is not None
+        ]
+        return type(values)(redacted)
     if isinstance(values, str):
-        return redact_urls(values)
+        if values.lstrip().startswith(("{", "[")):  # JSON (of --storage_options, say): redacted as what it holds
+            try:
+                parsed = json.loads(values)
+            except ValueError:
+                pass
+            else:
+                redacted = redact_secrets(parsed)
+                return values if redacted == parsed else json.dumps(redacted)
+        return redact_urls(_redact_command(values))
     return values
 
 

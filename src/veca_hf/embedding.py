@@ -210,6 +210,8 @@ class PartBatches(torch.utils.data.IterableDataset):
 
     Yields `{"source", "part", "ids", "pixel_values" (B, 3, H, W) or None, "pixel_mask" or None, "skipped":
     [(id, reason)], "rows": rows of the part (on its last batch, else None)}`; a batch never spans two parts.
+    `root` (a local image folder) makes ids relative to it; `image_root` is where images given as paths may be
+    read (`veca_hf.data.dataset_root`; see `decode_image`).
     """
 
     def __init__(
@@ -225,6 +227,7 @@ class PartBatches(torch.utils.data.IterableDataset):
         world_size: int = 1,
         min_image_size: int = 1,
         root: str | None = None,
+        image_root: str | None = None,
     ):
         columns = [image_column] + (["__key__"] if "__key__" in (dataset.column_names or []) else [])
         dataset = dataset.select_columns(columns)
@@ -233,6 +236,7 @@ class PartBatches(torch.utils.data.IterableDataset):
         self.dataset, self.image_column, self.preprocess = dataset, image_column, preprocess
         self.output_dir, self.rows_per_file, self.batch_size = Path(output_dir), rows_per_file, batch_size
         self.rank, self.world_size, self.min_image_size, self.root = rank, world_size, min_image_size, root
+        self.image_root = image_root
         self.num_sources = dataset.num_shards
 
     def lanes(self) -> tuple[int, int]:
@@ -295,7 +299,9 @@ class PartBatches(torch.utils.data.IterableDataset):
                 pending = {"part": part, "ids": [], "images": [], "skipped": [], "rows": 0}
             pending["rows"] += 1
             key = sample_id(example, self.image_column, source, row, self.root)
-            image, reason = decode_image(example[self.image_column], min_size=self.min_image_size)
+            image, reason = decode_image(
+                example[self.image_column], min_size=self.min_image_size, root=self.image_root
+            )
             if image is None:
                 pending["skipped"].append((key, reason))
                 continue

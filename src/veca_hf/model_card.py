@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig, PreTrainedModel
 from transformers.utils import logging
 
@@ -40,8 +41,10 @@ logger = logging.get_logger(__name__)
 __all__ = [
     "budget_metrics_from_results",
     "create_hub_repo",
+    "is_hub_id",
     "load_saved_model",
     "preset_teacher",
+    "public_name",
     "push_to_hub",
     "resolve_hub_model_id",
     "write_finetuned_model_card",
@@ -49,6 +52,8 @@ __all__ = [
 ]
 
 PAPER_URL = "https://arxiv.org/abs/2605.12491"
+# What a card says instead of a local path (`public_name`).
+LOCAL_FOLDER, LOCAL_FILES = "a local folder", "local files"
 # Run artefacts that never belong in a Hub repository (resumable checkpoints, logs).
 HUB_IGNORE_PATTERNS = ["checkpoints/*", "checkpoint-*", "sample_sources/*", "runs/*", "_*", "*.tmp"]
 # Trainer bookkeeping that `evaluate_budgets` also reports per budget: not a quality measure.
@@ -214,9 +219,38 @@ def _measure_latencies(model, resolutions: Sequence[int], repeats: int) -> tuple
     return latencies, f"{str(parameter.dtype).removeprefix('torch.')} on {_device_description(parameter.device)}"
 
 
-def _is_hub_id(name: str) -> bool:
-    """`"user/name"` (or `"name"`) that is not a local path: only those may go into the card's metadata."""
-    return bool(re.fullmatch(r"([\w.-]+/)?[\w.-]+", name)) and not Path(name).exists()
+def is_hub_id(name: str) -> bool:
+    """Whether `name` is a Hub repository id (`"name"` or `"org/name"`, as the Hub spells them) that is not a path
+    that exists here: only those go into a card's metadata."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return not Path(name).expanduser().exists()
+
+
+def public_name(name: str) -> str:
+    """
+    How a public model card names a model or a data source: a Hub id as it is, a URL without its credentials (user
+    info, query string and fragment: `redact_urls(..., placeholder="")`), and "a local folder" or "local files" for a
+    path on this machine (home folders, caches and user names stay off the Hub). A comma-separated list is named item
+    by item (a comma inside a brace range such as `shard-{0,1}.tar` belongs to its item).
+    """
+    names = []
+    for item in re.split(r",(?![^{}]*\})", str(name)):
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", item):
+            names.append(redact_urls(item, placeholder=""))
+        elif is_hub_id(item):
+            names.append(item)
+        else:
+            names.append(LOCAL_FOLDER if Path(item).expanduser().is_dir() else LOCAL_FILES)
+    return ",".join(dict.fromkeys(names))
+
+
+def _in_text(name: str) -> str:
+    """A name in the card's Markdown: Hub ids and URLs as code, the words for local data as words."""
+    shown = public_name(name)
+    return shown if shown in (LOCAL_FOLDER, LOCAL_FILES) else f"`{shown}`"
 
 
 def _format_metric(value: float) -> str:
@@ -278,11 +312,11 @@ def write_model_card(
             The Hub id used in the card's title and loading snippets; defaults to the folder's name.
         base_model (`str`, *optional*):
             The teacher the model was distilled from, or the model it was fine-tuned from. A Hub id goes into the
-            metadata; a local path is only named in the text (the Hub rejects ids that are not repositories).
+            metadata and is linked; a local path is called "a local folder" (`public_name`).
         datasets (`str` or `Sequence[str]`, *optional*):
-            The training data: Hub dataset ids (also put in the metadata) or local paths, URLs (written without
-            their user info and query string, `redact_urls`) and short descriptions; the card says "not recorded"
-            without them.
+            The training data: Hub dataset ids (also put in the metadata), URLs (shown without their user info,
+            query string and fragment) or local paths (shown as "a local folder" or "local files"); the card says
+            "not recorded" without them.
         budget_metrics (`Mapping[int, Mapping[str, float]]`, *optional*):
             Measured quality per budget, e.g. `{8: {"accuracy": 0.71}, 64: {"accuracy": 0.80}}`; one column per
             metric name, "–" where a budget was not measured.
@@ -324,8 +358,7 @@ def write_model_card(
                 f"Resolution {resolution} is not a multiple of patch_size={config.patch_size}: pass `resolutions` "
                 f"that are (e.g. {16 * config.patch_size} and {32 * config.patch_size})."
             )
-    # A URL's user info and query string (passwords, signed-URL signatures) never go into a card.
-    datasets = [redact_urls(str(name)) for name in ([datasets] if isinstance(datasets, str) else datasets or [])]
+    datasets = [str(name) for name in ([datasets] if isinstance(datasets, str) else datasets or [])]
     budget_metrics = {int(budget): dict(values) for budget, values in (budget_metrics or {}).items()}
     for budget in budget_metrics:
         config.check_budget(budget, name="budget_metrics key")
@@ -345,9 +378,9 @@ def write_model_card(
         library_name="transformers",
         pipeline_tag=pipeline_tag,
         tags=list(dict.fromkeys(["veca", "vision", pipeline_tag, *(["custom_code"] if has_veca_code else []), *tags])),
-        # NOTE: the Hub checks that these name repositories; local paths are only mentioned in the text.
-        base_model=base_model if base_model and _is_hub_id(base_model) else None,
-        datasets=[name for name in datasets if _is_hub_id(name)] or None,
+        # NOTE: the Hub checks that these name repositories: Hub ids only.
+        base_model=base_model if base_model and is_hub_id(base_model) else None,
+        datasets=[name for name in datasets if is_hub_id(name)] or None,
     )
 
     sections = [f"# {model_id.split('/')[-1]}"]
@@ -374,17 +407,17 @@ def write_model_card(
     ]
     if base_model:
         link = (
-            f"[`{base_model}`](https://huggingface.co/{base_model})" if _is_hub_id(base_model) else f"`{base_model}`"
+            f"[`{base_model}`](https://huggingface.co/{base_model})" if is_hub_id(base_model) else _in_text(base_model)
         )
         details.append(f"| base model | {link} |")
     if is_classifier or pipeline_tag == "image-segmentation":
         details.append(f"| labels | {saved_config.num_labels} |")
     sections.append("## Model details\n\n" + "\n".join(details))
 
-    data = "\n".join(f"- `{name}`" for name in datasets) if datasets else "Not recorded for this folder."
+    data = "\n".join(f"- {_in_text(name)}" for name in datasets) if datasets else "Not recorded for this folder."
     if base_model:
         data += (
-            f"\n\nThe weights derive from `{base_model}`: check its license for terms that apply to models "
+            f"\n\nThe weights derive from {_in_text(base_model)}: check its license for terms that apply to models "
             "trained from it."
         )
     sections.append("## Training data\n\n" + data)

@@ -19,11 +19,14 @@ The pieces, in the order a training script uses them:
 ```python
 from torch.utils.data import DataLoader
 from veca_hf import VecaImageProcessorPil
-from veca_hf.data import ImageStream, build_transform, collate_images, detect_image_column, load_image_dataset
+from veca_hf.data import (
+    ImageStream, build_transform, collate_images, dataset_root, detect_image_column, load_image_dataset
+)
 
 dataset = load_image_dataset("path/to/images")
 processor = VecaImageProcessorPil.for_resolution(256)  # what the trained model will be saved with
-stream = ImageStream(dataset, detect_image_column(dataset), build_transform(processor, train=True), seed=0)
+stream = ImageStream(dataset, detect_image_column(dataset), build_transform(processor, train=True), seed=0,
+                     image_root=dataset_root("path/to/images"))  # an image folder's files are read only inside it
 loader = DataLoader(stream, batch_size=64, num_workers=4, collate_fn=collate_images,
                     generator=torch.Generator().manual_seed(0))  # keeps the global RNG out of it
 for epoch in range(num_epochs):
@@ -38,11 +41,19 @@ The modules, one job each: `sources` (finding and opening the data), `decoding`,
 `stream` (the deterministic, resumable stream).
 """
 
-from .decoding import SKIP_TOO_SMALL, SKIP_UNDECODABLE, decode_image
+from .decoding import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    SKIP_PATH_NOT_ALLOWED,
+    SKIP_TOO_LARGE,
+    SKIP_TOO_SMALL,
+    SKIP_UNDECODABLE,
+    decode_image,
+)
 from .sources import (
     IMAGE_COLUMN_NAMES,
     StreamRetries,
     check_shard_count,
+    dataset_root,
     detect_image_column,
     expand_braces,
     find_broken_shards,
@@ -57,7 +68,10 @@ from .transforms import build_transform, collate_images, resize_batch
 
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_COLUMN_NAMES",
+    "SKIP_PATH_NOT_ALLOWED",
+    "SKIP_TOO_LARGE",
     "SKIP_TOO_SMALL",
     "SKIP_UNDECODABLE",
     "ImageStream",
@@ -65,6 +79,7 @@ __all__ = [
     "build_transform",
     "check_shard_count",
     "collate_images",
+    "dataset_root",
     "decode_image",
     "detect_image_column",
     "expand_braces",

@@ -634,6 +634,43 @@ def load_image_dataset(
     )
 
 
+def dataset_root(dataset_name: str) -> str | None:
+    """
+    Where the files of `dataset_name` live, as `load_image_dataset` finds them: the only place from which an image
+    given as a path (what a streamed image folder yields) is read, as `ImageStream(image_root=...)`.
+
+    A local folder is its own root; a local glob or file, the folder before its first glob character; remote files,
+    the folder URL they all share (before any brace or glob, without a query string); a Hub id `org/name`, its
+    repository at any revision (`hf://datasets/org/name@`, how `datasets` names the files it resolves there).
+
+    Returns:
+        `str` or `None`: the root, or `None` when there is none (a path that does not exist, remote files on
+        several hosts or buckets): then no path is read.
+    """
+    if is_remote(dataset_name) or (dataset_name.lstrip().startswith("[") and "://" in dataset_name):
+        folders = []
+        for source in split_sources(dataset_name):
+            if source.startswith(("http://", "https://")):
+                source = source.split("?", 1)[0]  # a signed URL's signature, not a glob
+            end = min([source.find(c) for c in ("{", *_GLOB_CHARACTERS) if c in source] or [len(source)])
+            folders.append(source[: source.rfind("/", 0, end) + 1])
+        root = os.path.commonprefix(folders)
+        root = root[: root.rfind("/") + 1]
+        host, _, path = root.partition("://")[2].partition("/")
+        return root if host and _ == "/" else None  # at least `scheme://host/`: never a whole protocol
+    path = os.path.expanduser(dataset_name)
+    if any(character in path for character in _GLOB_CHARACTERS):
+        head = path[: min(path.find(c) for c in _GLOB_CHARACTERS if c in path)]
+        return os.path.abspath(os.path.dirname(head) or ".")
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    if os.path.exists(path):
+        return os.path.abspath(os.path.dirname(path) or ".")
+    if _looks_like_hub_id(dataset_name):
+        return f"hf://datasets/{dataset_name}@"
+    return None
+
+
 def _first_example_columns(dataset) -> list[str]:
     """Column names of a dataset whose features are unknown (some streamed Hub datasets): peek at one example."""
     for example in dataset.take(1) if hasattr(dataset, "take") else dataset:

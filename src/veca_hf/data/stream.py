@@ -16,7 +16,7 @@ from datasets.distributed import split_dataset_by_node
 from transformers.utils import logging
 
 from ..arguments import redact_urls
-from .decoding import decode_image
+from .decoding import DEFAULT_MAX_IMAGE_PIXELS, SKIP_PATH_NOT_ALLOWED, check_max_pixels, decode_image
 from .resume import POSITION_COLUMN, ParquetResume, parquet_files_of
 from .sources import (
     detect_image_column,
@@ -67,7 +67,9 @@ class ImageStream(torch.utils.data.IterableDataset):
     `split_dataset_by_node(rank, world_size)`, so each rank reads a disjoint part and all ranks together read
     everything once; the iterator ends at the end of the epoch. The image column is cast to
     `datasets.Image(decode=False)`, so encoded bytes travel through the shuffle buffer and `decode_image` decodes
-    them (bad files are reported instead of crashing the pipeline).
+    them (bad files are reported instead of crashing the pipeline). Images over `max_image_pixels` are skipped from
+    their header, undecoded. An image folder streams paths, not bytes: they are read only inside `image_root`, so
+    that a row of a shard that names a file or a URL instead of carrying its bytes reads nothing.
 
     DataLoader workers: when the rank's stream has at least as many shards as workers, `datasets` hands each worker
     whole shards. Otherwise (a streamed image folder is a single shard) every worker walks the rank's whole stream
@@ -109,13 +111,20 @@ class ImageStream(torch.utils.data.IterableDataset):
             The number of processes.
         min_image_size (`int`, *optional*, defaults to 32):
             Images with a shorter side below this are skipped as `"too_small"`.
+        max_image_pixels (`int`, *optional*, defaults to 64,000,000):
+            Images with more pixels (width x height, read from the header) are skipped as `"too_large"` before
+            they are decoded; `None` for no limit (see `decode_image`).
+        image_root (`str` or `os.PathLike`, *optional*):
+            Where images given as paths may be read: the image folder being streamed, or its URL prefix, as
+            `veca_hf.data.dataset_root(dataset_name)` gives it. Without it (the right choice for parquet and
+            webdataset shards, whose rows carry bytes), path-only images are skipped as `"path_not_allowed"`.
 
     Yields:
         `dict`: `{"pixel_values": tensor, "source": str, "worker": int}` with the transform's output (e.g.
         `(3, r, r)`), the example's file path (or a stream position when it has none) and the DataLoader worker id
         (0 without workers), or `{"pixel_values": None, "skipped": reason, "source": str, "worker": int}` for an
-        unusable image (`"undecodable"` or `"too_small"`), so that the count survives worker processes. Batch with
-        `collate_images`.
+        unusable image (`"undecodable"`, `"too_small"`, `"too_large"` or `"path_not_allowed"`), so that the count
+        survives worker processes. Batch with `collate_images`.
     """
 
     def __init__(
@@ -129,6 +138,8 @@ class ImageStream(torch.utils.data.IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         min_image_size: int = 32,
+        max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+        image_root: str | os.PathLike | None = None,
     ):
         if not isinstance(dataset, datasets.IterableDataset):
             raise ValueError(f"`dataset` must be a streamed `datasets.IterableDataset`, got {type(dataset).__name__}.")
@@ -140,6 +151,7 @@ class ImageStream(torch.utils.data.IterableDataset):
             raise ValueError(f"Need 0 <= rank < world_size, got rank={rank}, world_size={world_size}.")
         if min_image_size < 0:
             raise ValueError(f"`min_image_size` must be >= 0, got {min_image_size}.")
+        check_max_pixels(max_image_pixels, "max_image_pixels")
         detect_image_column(dataset, image_column)  # raises with the available columns if absent
 
         dataset = dataset.select_columns([image_column])
@@ -153,6 +165,8 @@ class ImageStream(torch.utils.data.IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.min_image_size = min_image_size
+        self.max_image_pixels = max_image_pixels
+        self.image_root = None if image_root is None else os.fspath(image_root)
         # NOTE: in shared memory (as `datasets` does), so persistent DataLoader workers see `set_epoch` too.
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.skip_samples: tuple[int, ...] | None = None
@@ -274,6 +288,7 @@ class ImageStream(torch.utils.data.IterableDataset):
         next_skip = self.skip_samples[worker_id] if self.skip_samples is not None else 0
         values = self._values(epoch, num_workers, worker_id, next_skip)
         failures = 0  # network faults in a row; `next_skip`: where to reopen the stream after one
+        warned_paths = self.image_root is not None
         while True:
             try:
                 stream, index, value = next(values)
@@ -323,7 +338,16 @@ class ImageStream(torch.utils.data.IterableDataset):
             # order of a run.
             path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
             source = redact_urls(path) if path else f"rank{self.rank}/stream{stream}/{index}"
-            image, reason = decode_image(value, min_size=self.min_image_size)
+            image, reason = decode_image(
+                value, min_size=self.min_image_size, max_pixels=self.max_image_pixels, root=self.image_root
+            )
+            if reason == SKIP_PATH_NOT_ALLOWED and not warned_paths:
+                warned_paths = True
+                logger.warning(
+                    f"Skipping images given as paths ({source}, ...): ImageStream reads a path only inside "
+                    "`image_root`, and none was given. For an image folder, pass "
+                    "image_root=veca_hf.data.dataset_root(dataset_name)."
+                )
             if image is None:
                 yield {"pixel_values": None, "skipped": reason, "source": source, "worker": worker_id}
                 continue
@@ -420,6 +444,7 @@ def infinite_batches(stream: ImageStream, loader_kwargs: dict, seed: int, positi
         if consumed == 0 and usable == 0:  # the caller would wait forever for a usable batch
             raise ValueError(
                 "The training stream has no decodable images in this process's share of the data "
-                f"({batches} batch(es), every image skipped as undecodable or smaller than --min_image_size)."
+                f"({batches} batch(es), every image skipped: undecodable, smaller than --min_image_size, larger than "
+                "--max_image_pixels, or a path outside the dataset's folder)."
             )
         epoch, consumed, skip, discard = epoch + 1, 0, None, 0

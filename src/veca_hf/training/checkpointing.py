@@ -4,9 +4,12 @@
 A checkpoint is written into a hidden temporary folder and renamed to `checkpoint-{step}` only once every process
 has finished writing, so a crash mid-save leaves the previous checkpoint intact. The last file written before the
 rename is `manifest.json` (the size and SHA-256 of every other file), so a checkpoint damaged later (a disk failure,
-a truncated copy) is recognised: `find_latest_checkpoint` skips it and falls back to the newest complete one.
+a truncated copy) is recognised: `find_latest_checkpoint` skips it and falls back to the newest complete one. A folder
+without a manifest, or whose manifest does not list exactly the files inside it, is not complete.
 A failed save (disk full) removes its temporary folder and says so; older checkpoints are rotated away
 (`total_limit`) only after the new one is complete, and non-finite weights or optimiser states are never saved.
+A run that does not continue from the checkpoints in its folder refuses to start there (they are another run's,
+which it would replace and rotate away), unless told to remove them (`overwrite`).
 
 Resuming never runs code from a checkpoint: the manifest proves a checkpoint is whole, not who wrote it, so before
 anything is restored every file is checked to load as data (`check_loads_as_data`: JSON, safetensors headers, and
@@ -23,6 +26,8 @@ import os
 import pickle
 import re
 import shutil
+import socket
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,11 +86,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _files_in(folder: Path) -> set[str]:
+    """The relative POSIX names of everything under `folder` that is not a folder (files and links of any kind),
+    `manifest.json` left out: what its manifest must list."""
+    names = set()
+    for root, directories, files in os.walk(folder):  # NOTE: never descends into a linked folder
+        for name in files + [d for d in directories if os.path.islink(os.path.join(root, d))]:
+            names.add(Path(root, name).relative_to(folder).as_posix())
+    names.discard(MANIFEST_NAME)
+    return names
+
+
 def write_manifest(folder: str | Path) -> None:
     """Write `manifest.json` (size and SHA-256 of every other file under `folder`); call it after everything else."""
     folder = Path(folder)
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
-    manifest = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {
+        name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+        for name in sorted(_files_in(folder))
+    }
     _write_json(folder / MANIFEST_NAME, {"files": manifest})
 
 
@@ -93,9 +111,10 @@ def checkpoint_problem(folder: str | Path, verify_checksums: bool = True) -> str
     """
     Why a checkpoint folder cannot be resumed from, or `None` if it is complete.
 
-    Complete means: its `manifest.json` is readable and every file it lists is there with the recorded size (and
-    SHA-256, with `verify_checksums`). A folder written before manifests existed counts as complete when it has its
-    `training_state.json` (it cannot be verified further).
+    Complete means: its `manifest.json` is readable, lists exactly the files in the folder (no more, no fewer; each
+    a regular file inside it: an absolute name, `..` or a link leading elsewhere is refused before anything is
+    read), and each has the recorded size (and SHA-256, with `verify_checksums`). A folder without a manifest is
+    not complete: its save never finished, or it was written before manifests existed and cannot be verified.
 
     Args:
         folder (`str` or `Path`): a `checkpoint-{step}` folder.
@@ -109,24 +128,29 @@ def checkpoint_problem(folder: str | Path, verify_checksums: bool = True) -> str
         return "not a folder"
     manifest_file = folder / MANIFEST_NAME
     if not manifest_file.is_file():
-        if (folder / TRAINING_STATE_NAME).is_file():
-            logger.warning(f"{folder} has no {MANIFEST_NAME} (written by an older version): it cannot be verified.")
-            return None
         return f"no {MANIFEST_NAME}"
     try:
-        files = json.loads(manifest_file.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        files = {
+            name: (int(entry["size"]), str(entry["sha256"]))
+            for name, entry in json.loads(manifest_file.read_text())["files"].items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         return f"unreadable {MANIFEST_NAME} ({type(error).__name__}: {error})"
-    for name, expected in files.items():
+    on_disk, root = _files_in(folder), folder.resolve()
+    for name, (expected_size, expected_sha256) in files.items():
         path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
+        if name not in on_disk:  # `_files_in` names are plain relative paths: an absolute one or `..` is not
+            is_plain = all(part not in ("", ".", "..") for part in name.split("/"))
+            return f"{name} is missing" if is_plain else f"{name!r} in {MANIFEST_NAME} is not a file inside the folder"
+        if not path.is_file() or not path.resolve().is_relative_to(root):  # a link leading elsewhere
+            return f"{name!r} in {MANIFEST_NAME} is not a file inside the folder"
         size = path.stat().st_size
-        if size != expected["size"]:
-            return f"{name} has {size} bytes instead of {expected['size']} (truncated or overwritten)"
-        if verify_checksums and _sha256(path) != expected["sha256"]:
+        if size != expected_size:
+            return f"{name} has {size} bytes instead of {expected_size} (truncated or overwritten)"
+        if verify_checksums and _sha256(path) != expected_sha256:
             return f"{name} does not match its checksum (corrupted)"
-    return None
+    unlisted = sorted(on_disk - files.keys())
+    return f"{unlisted[0]} is not listed in {MANIFEST_NAME}" if unlisted else None
 
 
 def find_latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
@@ -158,35 +182,64 @@ def find_latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     return None
 
 
-def resolve_resume_path(resume_from_checkpoint: str | None, checkpoints_dir: str | Path) -> Path | None:
+def resolve_resume_path(
+    resume_from_checkpoint: str | None, checkpoints_dir: str | Path, overwrite: bool = False
+) -> Path | None:
     """
-    The checkpoint to resume from.
+    The checkpoint to resume from, after checking that the run may write into `checkpoints_dir`.
 
     `None` or `""` -> no resume; `"latest"` -> the newest complete checkpoint, falling back past damaged ones
     (`None`, with a warning, when `checkpoints_dir` holds no checkpoint yet, e.g. the first launch of a job that is
     always started with `latest`); else the given folder, which must be complete.
 
+    A run that does not continue from a checkpoint of `checkpoints_dir` is a new run: the checkpoints there are
+    another run's, which its saves would replace and its rotation delete, so they must not exist unless
+    `overwrite` (the caller then removes them, see `resolve_resume_path_on_all_ranks`).
+
     Raises:
-        `ValueError`: if the given folder is not a complete checkpoint, or if `"latest"` finds checkpoints but none
-        is complete.
+        `ValueError`: if the given folder is not a complete checkpoint, if `"latest"` finds checkpoints but none
+        is complete, if a new run finds another run's checkpoints without `overwrite`, or if `overwrite` would
+        remove the checkpoint to resume from.
     """
-    if not resume_from_checkpoint:
-        return None
+    checkpoints_dir = Path(checkpoints_dir)
+    if overwrite and resume_from_checkpoint == "latest":
+        raise ValueError(_overwrite_conflict(resume_from_checkpoint))
+    path = None
     if resume_from_checkpoint == "latest":
         path = find_latest_checkpoint(checkpoints_dir)
         if path is None:
             logger.warning(
                 f"--resume_from_checkpoint latest: no checkpoint in {checkpoints_dir} yet, starting at step 0."
             )
+    elif resume_from_checkpoint:
+        path = Path(resume_from_checkpoint)
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(
+                f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint folder ({problem});"
+                " pass 'latest' (the newest complete one) or another checkpoint-<step> folder."
+            )
+    if path is not None and path.resolve().parent == checkpoints_dir.resolve():  # continuing the run of this folder
+        if overwrite:
+            raise ValueError(_overwrite_conflict(resume_from_checkpoint))
         return path
-    path = Path(resume_from_checkpoint)
-    problem = checkpoint_problem(path)
-    if problem is not None:
+    others = checkpoint_steps(checkpoints_dir)
+    if others and not overwrite:
+        names = ", ".join(f"checkpoint-{step}" for step in others)
         raise ValueError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint folder ({problem}); "
-            "pass 'latest' (the newest complete one) or another checkpoint-<step> folder."
+            f"{checkpoints_dir} holds the checkpoints of another run ({names}), which this run would replace and "
+            "rotate away. Continue that run with --resume_from_checkpoint latest, start over with "
+            "--overwrite_output_dir (removes them first), or choose another --output_dir."
         )
     return path
+
+
+def _overwrite_conflict(resume_from_checkpoint: str) -> str:
+    return (
+        f"--overwrite_output_dir would remove the checkpoint that --resume_from_checkpoint {resume_from_checkpoint!r}"
+        " resumes from: pass only --resume_from_checkpoint to continue that run, or only --overwrite_output_dir to "
+        "start over."
+    )
 
 
 def clean_up_interrupted_saves(checkpoints_dir: str | Path) -> None:
@@ -209,19 +262,66 @@ def clean_up_interrupted_saves(checkpoints_dir: str | Path) -> None:
                 os.replace(path, final)
 
 
-def resolve_resume_path_on_all_ranks(accelerator, resume_from_checkpoint: str | None, checkpoints_dir) -> Path | None:
-    """`resolve_resume_path` on the main process only (after `clean_up_interrupted_saves`), its answer broadcast to
-    every process: all resume from the same checkpoint, and a `ValueError` is raised on every process."""
+def check_shared_folder(accelerator, folder: str | Path) -> None:
+    """
+    Checks that every process sees `folder` as the main process does. Every process writes its part of a checkpoint
+    there (its RNG state and stream position; the main process also the weights, optimiser and manifest, and renames
+    the folder once complete), and on resume every process reads the checkpoint the main process picked, so on
+    several machines `folder` must be on a file system that all of them mount at the same path. The main process
+    writes a file under a fresh random name; every process looks for it in its own `folder`.
+
+    Raises:
+        `ValueError`: on every process, naming the processes (and their hosts) that do not see the file.
+    """
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    folder = Path(folder)
+    shared = [None, None, None]  # the main process's folder, host, and the file's name
+    if accelerator.is_main_process:
+        shared = [str(folder), socket.gethostname(), f".shared-folder-check-{uuid.uuid4().hex}"]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / shared[2]).touch()
+    broadcast_object_list(shared, from_process=0)  # NOTE: also the barrier: the file exists before anyone looks
+    seen = (folder / shared[2]).is_file()
+    blind = gather_object([] if seen else [f"process {accelerator.process_index} on {socket.gethostname()}"])
+    if accelerator.is_main_process:
+        (folder / shared[2]).unlink()
+    if blind:
+        raise ValueError(
+            f"The checkpoint folder {shared[0]} is not one folder shared by all processes: {', '.join(blind)} "
+            f"cannot see the file that process 0 on {shared[1]} wrote there. Every process writes its part of each "
+            "checkpoint into this folder and reads the checkpoint back from it on resume, so --output_dir must be "
+            "on a file system that every machine mounts at the same path (NFS, Lustre, ...); see "
+            "docs/training.md, 'Several machines'."
+        )
+
+
+def resolve_resume_path_on_all_ranks(
+    accelerator, resume_from_checkpoint: str | None, checkpoints_dir, overwrite: bool = False
+) -> Path | None:
+    """`resolve_resume_path` on the main process only (after `check_shared_folder` on all of them, and
+    `clean_up_interrupted_saves`), its answer broadcast to every process: all resume from the same checkpoint, and a
+    `ValueError` is raised on every process. With
+    `overwrite`, the main process removes another run's checkpoints before any process goes on."""
     from accelerate.utils import broadcast_object_list
 
+    check_shared_folder(accelerator, checkpoints_dir)
     answer = [None, None]  # (path, error message)
     if accelerator.is_main_process:
         try:
             clean_up_interrupted_saves(checkpoints_dir)
-            path = resolve_resume_path(resume_from_checkpoint, checkpoints_dir)
+            path = resolve_resume_path(resume_from_checkpoint, checkpoints_dir, overwrite)
             answer = [None if path is None else str(path), None]
         except ValueError as error:
             answer = [None, str(error)]
+        if overwrite and answer[1] is None and (steps := checkpoint_steps(checkpoints_dir)):
+            for step in steps:
+                shutil.rmtree(Path(checkpoints_dir) / f"checkpoint-{step}")
+            removed = ", ".join(f"checkpoint-{step}" for step in steps)
+            logger.warning(f"--overwrite_output_dir: removed {removed} of an earlier run from {checkpoints_dir}.")
+    # NOTE: the broadcast is also the barrier: no process goes on before the removal above is done.
     if accelerator.num_processes > 1:
         broadcast_object_list(answer, from_process=0)
     if answer[1] is not None:
@@ -247,14 +347,20 @@ def save_checkpoint(
         training_state (`dict`): JSON-serialisable state shared by all processes (written by the main process).
         process_state (`dict`): JSON-serialisable state of this process (e.g. its position in its data stream).
         total_limit (`int`, *optional*): keep only this many newest complete checkpoints (older ones are deleted
-            only once the new one is complete).
+            only once the new one is complete, and the new one never is); `0` or `None` keeps every checkpoint.
         check_finite (`tuple` of modules and optimisers, *optional*): refuse to save if any of their parameters,
             buffers or optimiser states holds a NaN or an infinity (on any process).
 
     Raises:
+        `ValueError`: if `total_limit` is negative.
         `RuntimeError`: if `check_finite` finds a non-finite value (nothing is written), or if writing fails (e.g.
         the disk is full: the temporary folder is removed, the previous checkpoints are untouched).
     """
+    if total_limit is not None and total_limit < 0:  # on every process, before any collective
+        raise ValueError(
+            f"total_limit={total_limit}: the number of checkpoints to keep cannot be negative; 0 or None keeps every "
+            "checkpoint."
+        )
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"checkpoint-{step}"
     temporary = checkpoints_dir / f".tmp-checkpoint-{step}"
@@ -311,14 +417,15 @@ def save_checkpoint(
         os.replace(temporary, final)
         shutil.rmtree(set_aside, ignore_errors=True)
         if total_limit:
-            _rotate(checkpoints_dir, total_limit)
+            _rotate(checkpoints_dir, total_limit, step)
         logger.info(f"Saved checkpoint {final}")
     accelerator.wait_for_everyone()
     return final
 
 
-def _rotate(checkpoints_dir: Path, total_limit: int) -> None:
-    """Delete every checkpoint older than the newest `total_limit` complete ones (sizes checked, not checksums)."""
+def _rotate(checkpoints_dir: Path, total_limit: int, saved_step: int) -> None:
+    """Delete every checkpoint older than the newest `total_limit` complete ones (sizes checked, not checksums),
+    never `saved_step`, the one just written."""
     complete = [
         s
         for s in checkpoint_steps(checkpoints_dir)
@@ -328,7 +435,7 @@ def _rotate(checkpoints_dir: Path, total_limit: int) -> None:
         return
     oldest_kept = complete[-total_limit]
     for old_step in checkpoint_steps(checkpoints_dir):
-        if old_step < oldest_kept:
+        if old_step < oldest_kept and old_step != saved_step:
             shutil.rmtree(checkpoints_dir / f"checkpoint-{old_step}", ignore_errors=True)
 
 
@@ -461,6 +568,7 @@ def _write_json(path: Path, data: dict) -> None:
 __all__ = [
     "UnsafeCheckpointError",
     "check_loads_as_data",
+    "check_shared_folder",
     "checkpoint_problem",
     "clean_up_interrupted_saves",
     "deepspeed_safe_globals",

@@ -28,7 +28,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 from ..allocator import tune_cpu_allocator
-from ..arguments import parse_args_with_file, redact_urls
+from ..arguments import parse_args_with_file
 from ..budgets import (
     BudgetArguments,
     BudgetSampler,
@@ -39,8 +39,8 @@ from ..budgets import (
     veca_call_defaults,
     veca_config,
 )
-from ..hub import take_hub_token
-from ..model_card import write_finetuned_model_card
+from ..hub import take_credentials
+from ..model_card import is_hub_id, write_finetuned_model_card
 from .optimization import get_parameter_groups
 
 
@@ -227,9 +227,10 @@ def setup_logging(training_args, logger: python_logging.Logger) -> None:
 def parse_finetuning_args(script_arguments: tuple, logger: python_logging.Logger, batch_eval_metrics=False) -> tuple:
     """
     Parse a fine-tuning script's flags (or a JSON / YAML file of them first, later flags overriding it) into its
-    argument dataclasses, `BudgetArguments` and `TrainingArguments`, and set up what every such script needs: the Hub
-    token out of `TrainingArguments` (`Trainer` pickles them into `training_args.bin`, checkpoints and uploads), the
-    CPU allocator, logging and the seed.
+    argument dataclasses, `BudgetArguments` and `TrainingArguments`, and set up what every such script needs: the
+    credentials off `sys.argv` and the Hub token out of `TrainingArguments` (`Trainer` pickles them into
+    `training_args.bin`, checkpoints and uploads; `veca_hf.hub.take_credentials`), the CPU allocator, logging and the
+    seed.
 
     Returns:
         `tuple`: the parsed dataclasses, in the order of `script_arguments`, then `BudgetArguments` and
@@ -240,7 +241,7 @@ def parse_finetuning_args(script_arguments: tuple, logger: python_logging.Logger
     if not (training_args.do_train or training_args.do_eval):
         # NOTE: both default to False in `TrainingArguments`; without this the script would exit 0 having done nothing.
         raise ValueError("Nothing to do: pass --do_train (fine-tune) and/or --do_eval (evaluate at --eval_budgets).")
-    take_hub_token(training_args)
+    take_credentials(*parsed)
     if training_args.device.type == "cpu":
         tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
     # NOTE: with `with_transform` the image columns must reach the transform; Trainer would drop them otherwise.
@@ -289,7 +290,7 @@ def train_evaluate_and_publish(
 
     Args:
         datasets (`str`, *optional*): the training data, for the VECA card.
-        hub_dataset (`str`, *optional*): the dataset `Trainer`'s card names (URL credentials are removed).
+        hub_dataset (`str`, *optional*): the dataset `Trainer`'s card names, when it is a Hub id.
         task (`str`): the card's task, e.g. `"image-classification"`.
         metrics_description, description (`str`): what the card says about the metrics and the model.
     """
@@ -305,7 +306,10 @@ def train_evaluate_and_publish(
         eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets_from_args(budget_args, model))
     if args.push_to_hub:  # saves the model, writes Trainer's card, uploads the folder
         trainer.push_to_hub(
-            finetuned_from=base_model, tasks=task, dataset=redact_urls(hub_dataset) if hub_dataset else None
+            # Hub ids only: this card is uploaded (and kept in the repository's history) before the VECA card
+            finetuned_from=base_model if is_hub_id(base_model) else None,
+            tasks=task,
+            dataset=hub_dataset if hub_dataset and is_hub_id(hub_dataset) else None,
         )
     write_finetuned_model_card(
         trainer,
