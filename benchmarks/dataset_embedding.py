@@ -45,7 +45,7 @@ from transformers import AutoImageProcessor, AutoModel, DINOv3ViTModel
 
 from veca_hf import VecaImageProcessor, VecaModel
 from veca_hf.arguments import redact_secrets
-from veca_hf.data import load_image_dataset
+from veca_hf.data import dataset_root, load_image_dataset
 from veca_hf.embedding import PartBatches, Preprocess
 
 
@@ -157,6 +157,7 @@ def data_only(args, folder: Path, resolution: int, images: Path, out: Path) -> d
     batches = PartBatches(
         dataset, "image", Preprocess(processor, resolution, False, 16), output_dir=out,
         rows_per_file=args.batch_size, batch_size=args.batch_size, root=str(images),
+        image_root=dataset_root(str(images)),
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=args.workers)
     start = time.perf_counter()
