@@ -444,7 +444,7 @@ def load_teacher(accelerator: Accelerator, model_args: ModelArguments, args) -> 
 
 def enable_activation_checkpointing(model) -> None:
     """transformers 5's `activation_checkpointing_enable` where the model has it (its `gradient_` name is deprecated),
-    else the older `gradient_checkpointing_enable`."""
+    else `gradient_checkpointing_enable` (transformers 4)."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
 

@@ -395,7 +395,7 @@ def test_every_script_names_each_concept_the_same_way(name, monkeypatch):
     assert "-h, --help" in help_text
 
 
-def test_the_old_spellings_parse_to_the_canonical_fields(tmp_path):
+def test_the_aliases_parse_to_the_canonical_fields(tmp_path):
     model, data, args = _load_script("distill").parse_args(
         ["--dataset_name", "images", "--image_column", "img", "--gradient_checkpointing", "--teacher_dtype", "bf16"]
     )
@@ -403,17 +403,17 @@ def test_the_old_spellings_parse_to_the_canonical_fields(tmp_path):
 
     extract = _load_script("extract_features")
     required = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
-    old = ["--split", "validation", "--image_column", "img", "--image_processor_name_or_path", "p",
+    aliases = ["--split", "validation", "--image_column", "img", "--image_processor_name_or_path", "p",
            "--per_device_batch_size", "3", "--dtype", "bf16"]  # fmt: skip
-    (args,) = parse_args_with_file(HfArgumentParser(extract.ExtractionArguments), required + old)
+    (args,) = parse_args_with_file(HfArgumentParser(extract.ExtractionArguments), required + aliases)
     assert (args.train_split, args.image_column_name, args.image_processor_name) == ("validation", "img", "p")
     assert (args.per_device_eval_batch_size, args.dtype) == (3, "bfloat16")
 
     probe = _load_script("linear_probe")
     parser = HfArgumentParser((probe.ModelArguments, probe.DataArguments, probe.ProbeSettings, probe.OutputArguments))
-    old = ["--image_column", "i", "--label_column", "l", "--extraction_batch_size", "5", "--num_workers", "2",
+    aliases = ["--image_column", "i", "--label_column", "l", "--extraction_batch_size", "5", "--num_workers", "2",
            "--dtype", "fp16", "--feature_dtype", "fp16"]  # fmt: skip
-    model, data, settings, _ = parse_args_with_file(parser, old)
+    model, data, settings, _ = parse_args_with_file(parser, aliases)
     assert (data.image_column_name, data.label_column_name, model.dtype) == ("i", "l", "float16")
     assert (settings.per_device_eval_batch_size, settings.dataloader_num_workers, settings.feature_dtype) == (
         5,
@@ -426,7 +426,7 @@ def test_the_old_spellings_parse_to_the_canonical_fields(tmp_path):
     _, data = parse_args_with_file(parser, ["--model_name_or_path", "m", "--image_column", "i", "--label_column", "l"])
     assert (data.image_column_name, data.label_column_name) == ("i", "l")
 
-    # An arguments file written with the old keys reads the same.
+    # An arguments file written with the aliases as keys reads the same.
     path = tmp_path / "args.yaml"
     path.write_text("dataset_name: images\nimage_column: img\ngradient_checkpointing: true\nteacher_dtype: fp32\n")
     _, data, args = _load_script("distill").parse_args([str(path)])
@@ -466,10 +466,10 @@ def test_distill_enables_activation_checkpointing_by_its_transformers_5_name():
         def gradient_checkpointing_enable(self):
             calls.append("gradient")
 
-    class Older:
+    class TransformersFour:
         def gradient_checkpointing_enable(self):
             calls.append("gradient")
 
     distill.enable_activation_checkpointing(Current())
-    distill.enable_activation_checkpointing(Older())
+    distill.enable_activation_checkpointing(TransformersFour())
     assert calls == ["activation", "gradient"]

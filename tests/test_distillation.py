@@ -296,7 +296,7 @@ def test_teacher_autocast_dtype():
         teacher_autocast_dtype("bfloat16", cpu) is torch.bfloat16 and teacher_autocast_dtype("float32", cuda) is None
     )
     assert teacher_autocast_dtype("float16", cpu) is torch.float16
-    # The short spellings of older commands and of accelerate's --mixed_precision read the same.
+    # The short spellings (accelerate's --mixed_precision uses them) read the same.
     assert teacher_autocast_dtype("bf16", cpu) is torch.bfloat16 and teacher_autocast_dtype("fp32", cuda) is None
     with pytest.raises(ValueError, match="--teacher_dtype 'float8' is not one of .*: pass one of them"):
         teacher_autocast_dtype("float8", cpu)

@@ -38,7 +38,7 @@ __all__ = [
 
 ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
-# A dtype flag's value: torch's name, or the short spelling of accelerate's `--mixed_precision` and of older commands.
+# A dtype flag's value: torch's name, or the short spelling that accelerate's `--mixed_precision` also uses.
 DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -66,8 +66,8 @@ def canonical_dtype(flag: str, value: str, allowed: Sequence[str]) -> str:
 
 
 class CanonicalHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` lists each flag under its first long name (and its short ones, `-h`): the aliases that keep older
-    commands parsing stay out."""
+    """`--help` lists each flag under its first long name (and its short ones, `-h`); its other spellings (aliases,
+    which still parse) stay out."""
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
         longs = [option for option in action.option_strings if option.startswith("--")]

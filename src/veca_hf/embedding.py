@@ -132,7 +132,7 @@ class EmbeddingSettings:
             write_json(path, current)
             return
         stored = json.loads(path.read_text())
-        # A folder started with the short spelling (`--dtype bf16`) resumes under the torch name it now stores.
+        # A short spelling stored there (`bf16`) is the same setting as its torch name (`bfloat16`).
         stored["dtype"] = DTYPE_SPELLINGS.get(stored.get("dtype"), stored.get("dtype"))
         different = {name: (stored.get(name), value) for name, value in current.items() if stored.get(name) != value}
         if different:
