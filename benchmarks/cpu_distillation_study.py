@@ -268,7 +268,7 @@ def probe_command(args: StudyArguments, models: list[str], budgets: str, output_
     flags = dict(
         budgets=budgets,
         resolutions=args.resolution,
-        cache_dir=cache_dir,
+        feature_cache_dir=cache_dir,
         output_dir=output_dir,
         **forwarded(
             args, "fashion_mnist_dir", "max_train_samples", "max_eval_samples", "classification_steps",

@@ -119,8 +119,9 @@ def end_to_end(args, folder: Path, budget, resolution: int, dtype: str, processe
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", "29561", str(SCRIPT)]  # fmt: skip
     command += ["--model_name_or_path", str(folder), "--dataset_name", str(images), "--output_dir", str(out),
-                "--resolution", str(resolution), "--dtype", dtype, "--per_device_batch_size", str(args.batch_size),
-                "--dataloader_num_workers", str(args.workers), "--rows_per_file", str(args.batch_size)]  # fmt: skip
+                "--resolution", str(resolution), "--dtype", dtype,
+                "--per_device_eval_batch_size", str(args.batch_size), "--dataloader_num_workers", str(args.workers),
+                "--rows_per_file", str(args.batch_size)]  # fmt: skip
     if budget is not None:
         command += ["--num_core_tokens", str(budget)]
     threads = str(args.threads // processes)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, HfArgumentParser
 
 from veca_hf import VecaImageProcessor
-from veca_hf.arguments import parse_args_with_file, redact_secrets
+from veca_hf.arguments import canonical_dtype, parse_args_with_file, redact_secrets
 from veca_hf.budgets import BudgetSampler, SampledBudgetArguments, training_budgets
 from veca_hf.data import (
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -58,6 +58,7 @@ from veca_hf.training.checkpointing import (
 )
 from veca_hf.training.distillation import (
     PROJECTION_FILE,
+    TEACHER_DTYPES,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
@@ -170,7 +171,9 @@ class DataArguments:
         metadata={"help": "Held-out split; if absent, the first --validation_size examples are held out."},
     )
     validation_size: int = field(default=64, metadata={"help": "Held-out images for the per-budget validation."})
-    image_column: str | None = field(default=None, metadata={"help": "Image column (auto-detected when absent)."})
+    image_column_name: str | None = field(
+        default=None, metadata={"help": "Image column (auto-detected when absent).", "aliases": ["--image_column"]}
+    )
     resolution: str = field(
         default="256",
         metadata={"help": "Training resolution, or a schedule 'step:res,res@p,p;step:...' (one resolution per step)."},
@@ -278,10 +281,19 @@ class DistillationArguments(SampledBudgetArguments):
         },
     )
     teacher_dtype: str = field(
-        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32."}
+        default="auto",
+        metadata={
+            "help": "auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float16 | float32 (or bf16 | fp16 | fp32)."
+        },
     )
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | wandb | all."})
-    gradient_checkpointing: bool = False
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute the student's activations in the backward pass (less memory, more compute).",
+            "aliases": ["--gradient_checkpointing"],
+        },
+    )
     log_sample_sources: bool = field(
         default=False,
         metadata={"help": "Append 'step<TAB>image source' per training image to sample_sources/rank{r}.txt."},
@@ -309,6 +321,7 @@ class DistillationArguments(SampledBudgetArguments):
             "validation_steps": (0, "0 validates at the end only"),
             "logging_steps": (1, "1 logs every step"),
         })  # fmt: skip
+        self.teacher_dtype = canonical_dtype("--teacher_dtype", self.teacher_dtype, TEACHER_DTYPES)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DistillationArguments]:
@@ -425,8 +438,15 @@ def load_teacher(accelerator: Accelerator, model_args: ModelArguments, args) -> 
     teacher.requires_grad_(False).eval().to(accelerator.device)
     dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
     if accelerator.is_main_process and dtype == torch.bfloat16:
-        warn_if_slow_bf16(accelerator.device, "--teacher_dtype bf16")
+        warn_if_slow_bf16(accelerator.device, "--teacher_dtype bfloat16")
     return Teacher(teacher, str(teacher_path), dtype, model_args.teacher_micro_batch_size)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """transformers 5's `activation_checkpointing_enable` where the model has it (its `gradient_` name is deprecated),
+    else `gradient_checkpointing_enable` (transformers 4)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
 
 
 def build_model(model_args: ModelArguments, args, teacher: torch.nn.Module):
@@ -442,8 +462,8 @@ def build_model(model_args: ModelArguments, args, teacher: torch.nn.Module):
         patch_init = "no"
     init_patch_embeddings_from_teacher(student, teacher, patch_init)
     student.set_attn_implementation(model_args.attn_implementation)
-    if args.gradient_checkpointing:
-        student.activation_checkpointing_enable()
+    if args.activation_checkpointing:
+        enable_activation_checkpointing(student)
     criterion = DistillationLoss(
         student.config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight
     )
@@ -462,7 +482,7 @@ def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_t
     dataset = load_image_dataset(
         data_args.dataset_name, data_args.dataset_config_name, data_args.train_split, **source_kwargs
     )
-    image_column = detect_image_column(dataset, data_args.image_column)
+    image_column = detect_image_column(dataset, data_args.image_column_name)
     check_shard_count(dataset, accelerator.num_processes, data_args.dataloader_num_workers)
     validation_root = train_root = dataset_root(data_args.dataset_name)  # image folders: their paths are read there
     if data_args.validation_split:

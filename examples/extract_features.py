@@ -4,7 +4,7 @@
 
     accelerate launch examples/extract_features.py --model_name_or_path outputs/veca-b16 \
         --dataset_name "https://host/shard-{00000..01023}.tar" --output_dir embeddings/ --num_core_tokens 64 \
-        --resolution 512 --per_device_batch_size 32 --patch_features mean --dtype bf16
+        --resolution 512 --per_device_eval_batch_size 32 --patch_features mean --dtype bfloat16
 
 Each row holds `id` (the image's path within a local folder, its webdataset key, or `shard-<s>#<row>`), `embedding`
 (the model's `pooler_output`: VECA's first core after the final norm, a DINO model's CLS) and, with
@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoImageProcessor, AutoModel, HfArgumentParser
 
 import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
-from veca_hf.arguments import parse_args_with_file, redact_urls
+from veca_hf.arguments import canonical_dtype, parse_args_with_file, redact_urls
 from veca_hf.data import (
     StreamRetries,
     dataset_root,
@@ -54,7 +54,7 @@ from veca_hf.hub import take_credentials
 
 
 logger = logging.getLogger("veca_hf.extract_features")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -65,13 +65,22 @@ class ExtractionArguments:
     )
     output_dir: str = field(metadata={"help": "Where the Parquet files and metadata.json go."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "The Hub dataset's configuration."})
-    split: str = field(default="train", metadata={"help": "The split to embed."})
-    image_column: str | None = field(default=None, metadata={"help": "The image column (default: detected)."})
+    train_split: str = field(
+        default="train",
+        metadata={"help": "The split to embed (any split: train, validation, ...).", "aliases": ["--split"]},
+    )
+    image_column_name: str | None = field(
+        default=None, metadata={"help": "The image column (default: detected).", "aliases": ["--image_column"]}
+    )
     storage_options: str | None = field(
         default=None, metadata={"help": "fsspec options of remote shards, as JSON. Never written anywhere."}
     )
-    image_processor_name_or_path: str | None = field(
-        default=None, metadata={"help": "The image processor (default: the model's folder)."}
+    image_processor_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "The image processor's folder or Hub id (default: the model's).",
+            "aliases": ["--image_processor_name_or_path"],
+        },
     )
     num_core_tokens: int | None = field(
         default=None, metadata={"help": "VECA's budget C (default: the model's default budget)."}
@@ -83,9 +92,13 @@ class ExtractionArguments:
         default=False, metadata={"help": "VECA: embed each image at its own size (rounded to patch multiples)."}
     )
     max_image_side: int | None = field(default=None, metadata={"help": "With --keep_size: bound the long side."})
-    per_device_batch_size: int = field(default=32, metadata={"help": "Images per forward and process."})
+    per_device_eval_batch_size: int = field(
+        default=32, metadata={"help": "Images per forward and process.", "aliases": ["--per_device_batch_size"]}
+    )
     patch_features: str = field(default="none", metadata={"help": "none | mean | all (every patch, with its grid)."})
-    dtype: str = field(default="fp32", metadata={"help": "fp32 | bf16: the model's weights and compute."})
+    dtype: str = field(
+        default="float32", metadata={"help": "float32 | bfloat16 (or fp32 | bf16): the model's weights and compute."}
+    )
     rows_per_file: int = field(default=10000, metadata={"help": "Rows of a data source per Parquet file."})
     dataloader_num_workers: int = field(default=2, metadata={"help": "Decoding and preprocessing processes."})
     min_image_size: int = field(default=1, metadata={"help": "Images with a shorter side are skipped."})
@@ -93,13 +106,12 @@ class ExtractionArguments:
     stream_retry_wait: float = field(default=5.0, metadata={"help": "Seconds between attempts."})
 
     def __post_init__(self):
-        for name in ("per_device_batch_size", "rows_per_file"):
+        for name in ("per_device_eval_batch_size", "rows_per_file"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.patch_features not in PATCH_FEATURES:
             raise ValueError(f"--patch_features {self.patch_features!r} is not one of {PATCH_FEATURES}.")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r} is not one of {list(DTYPES)}.")
+        self.dtype = canonical_dtype("--dtype", self.dtype, tuple(DTYPES))
         if self.keep_size and self.resolution is not None:
             raise ValueError("--keep_size embeds each image at its own size: do not pass --resolution with it.")
         if self.resolution is not None and self.resolution < 1:
@@ -109,8 +121,8 @@ class ExtractionArguments:
 
 
 def load_model_and_processor(args: ExtractionArguments, device: torch.device):
-    if args.dtype == "bf16":
-        warn_if_slow_bf16(device, "--dtype bf16")
+    if args.dtype == "bfloat16":
+        warn_if_slow_bf16(device, "--dtype bfloat16")
     model = AutoModel.from_pretrained(args.model_name_or_path, dtype=DTYPES[args.dtype]).to(device).eval()
     config = model.config
     if config.model_type == "veca":
@@ -123,13 +135,12 @@ def load_model_and_processor(args: ExtractionArguments, device: torch.device):
         raise ValueError(
             f"--keep_size needs a VECA model (its pixel_mask batches mixed sizes), got {config.model_type!r}."
         )
-    source = args.image_processor_name_or_path or args.model_name_or_path
+    source = args.image_processor_name or args.model_name_or_path
     try:
         processor = AutoImageProcessor.from_pretrained(source)
     except OSError as error:
         raise ValueError(
-            f"No image processor in {source!r} ({error}). Save one next to the model, or pass "
-            "--image_processor_name_or_path."
+            f"No image processor in {source!r} ({error}). Save one next to the model, or pass --image_processor_name."
         ) from None
     if args.resolution is not None and args.resolution % config.patch_size:
         raise ValueError(f"--resolution {args.resolution} is not a multiple of the patch size {config.patch_size}.")
@@ -148,10 +159,10 @@ def main(argv=None):
     retries = StreamRetries(args.stream_retries, args.stream_retry_wait)
     retries.configure()
     dataset = load_image_dataset(
-        args.dataset_name, args.dataset_config_name, split=args.split,
+        args.dataset_name, args.dataset_config_name, split=args.train_split,
         storage_options=parse_storage_options(args.storage_options), retries=retries,
     )  # fmt: skip
-    image_column = detect_image_column(dataset, args.image_column)
+    image_column = detect_image_column(dataset, args.image_column_name)
     output_dir = Path(args.output_dir)
     settings = EmbeddingSettings(
         model=redact_urls(args.model_name_or_path), model_type=model.config.model_type, num_core_tokens=budget,
@@ -172,7 +183,7 @@ def main(argv=None):
     batches = PartBatches(
         dataset, image_column,
         Preprocess(processor, args.resolution, args.keep_size, model.config.patch_size, args.max_image_side),
-        output_dir=output_dir, rows_per_file=args.rows_per_file, batch_size=args.per_device_batch_size,
+        output_dir=output_dir, rows_per_file=args.rows_per_file, batch_size=args.per_device_eval_batch_size,
         rank=accelerator.process_index, world_size=accelerator.num_processes, min_image_size=args.min_image_size,
         root=local_root, image_root=dataset_root(args.dataset_name),
     )  # fmt: skip

@@ -22,7 +22,7 @@ the head alone.
 
 Data: `--dataset_name` is a Hub id, a local folder `datasets.load_dataset` reads (Parquet files named by split) or one
 Parquet file (or `--train_file` and `--validation_file` name Parquet files per split: paths, globs or fsspec URLs such
-as `hf://datasets/org/name@revision/dir/*.parquet`), with an image column (`--image_column`) and a depth column
+as `hf://datasets/org/name@revision/dir/*.parquet`), with an image column (`--image_column_name`) and a depth column
 (`--depth_column`): float maps (arrays or mode `F` images) or 16-bit PNGs, each of its image's size; stored values are
 divided by `--depth_scale` (1000 for millimetres, 256 for KITTI), and 0 or NaN marks pixels without ground truth.
 Images keep their aspect ratio (short side `--shortest_edge`) and batches are padded with a `pixel_mask`; padded pixels
@@ -109,7 +109,7 @@ def main():
         return DenseTransform(
             image_processor,
             "depth",
-            data_args.image_column,
+            data_args.image_column_name,
             data_args.depth_column,
             depth_scale=data_args.depth_scale,
             train=train_mode,

@@ -8,7 +8,7 @@ and images of any size:
 ```bash
 python examples/finetune_segmentation.py \
     --model_name_or_path path/to/veca-b16 --head linear \
-    --dataset_name scene_parse_150 --label_column annotation --reduce_labels \
+    --dataset_name scene_parse_150 --label_column_name annotation --reduce_labels \
     --output_dir outputs/veca-b16-ade20k --do_train --do_eval \
     --sample_budgets --eval_budgets 8,16,32,64 --shortest_edge 512 \
     --learning_rate 1e-4 --weight_decay 0.05 --num_train_epochs 20 --per_device_train_batch_size 16
@@ -20,12 +20,12 @@ saved so that `AutoModelForSemanticSegmentation` loads it) or `--head upernet` (
 
 Data: `--dataset_name` is a Hub id, a local folder `datasets.load_dataset` reads (Parquet files named by split) or one
 Parquet file (or `--train_file` and `--validation_file` name Parquet files per split: paths, globs or fsspec URLs such
-as `hf://datasets/org/name@revision/dir/*.parquet`), with an image column (`--image_column`) and a label-map column
-(`--label_column`: single-channel images or arrays of class indices, each of its image's size; `--ignore_index`, 255,
-marks unlabelled pixels). `--reduce_labels` makes label 0 the ignored background (ADE20K). Class names come from
-`--id2label_file`, else `id2label.json` in the dataset, else the labels found in the training maps. Every image keeps
-its aspect ratio (short side `--shortest_edge`, sides multiples of the patch size) and batches are padded with a
-`pixel_mask`, so padded pixels count neither in the loss nor in the metric.
+as `hf://datasets/org/name@revision/dir/*.parquet`), with an image column (`--image_column_name`) and a label-map
+column (`--label_column_name`: single-channel images or arrays of class indices, each of its image's size;
+`--ignore_index`, 255, marks unlabelled pixels). `--reduce_labels` makes label 0 the ignored background (ADE20K).
+Class names come from `--id2label_file`, else `id2label.json` in the dataset, else the labels found in the training
+maps. Every image keeps its aspect ratio (short side `--shortest_edge`, sides multiples of the patch size) and
+batches are padded with a `pixel_mask`, so padded pixels count neither in the loss nor in the metric.
 
 Budget: `--num_core_tokens C` trains at C and saves it as the default budget; `--sample_budgets` draws one budget per
 optimiser step from `--budgets` with `--budget_weights`. Each of `--eval_budgets` is evaluated after training:
@@ -71,7 +71,9 @@ class ModelArguments(DenseModelArguments):
 class DataTrainingArguments(DenseDataArguments):
     """Which data to train and evaluate on (the shared flags of `veca_hf.dense.DenseDataArguments`, and the labels)."""
 
-    label_column: str = field(default="label", metadata={"help": "The column holding the label maps."})
+    label_column_name: str = field(
+        default="label", metadata={"help": "The column holding the label maps.", "aliases": ["--label_column"]}
+    )
     id2label_file: str | None = field(default=None, metadata={"help": "A JSON file {'0': 'wall', ...}."})
     reduce_labels: bool = field(default=False, metadata={"help": "Label 0 is background (ignored); k -> k - 1."})
     ignore_index: int = field(default=255, metadata={"help": "The label of unlabelled pixels."})
@@ -82,11 +84,11 @@ def main():
         (ModelArguments, DataTrainingArguments), logger, batch_eval_metrics=True
     )
 
-    target = ("--label_column", data_args.label_column)
+    target = ("--label_column_name", data_args.label_column_name)
     train, validation = data_args.load_splits(training_args, target, model_args.cache_dir)
     label_options = {"reduce_labels": data_args.reduce_labels, "ignore_index": data_args.ignore_index}
     id2label = resolve_id2label(
-        data_args.id2label_file, data_args.dataset_name, train, data_args.label_column, **label_options
+        data_args.id2label_file, data_args.dataset_name, train, data_args.label_column_name, **label_options
     )
     logger.info(f"{len(id2label)} classes: {id2label}")
 
@@ -111,8 +113,8 @@ def main():
         return DenseTransform(
             image_processor,
             "segmentation",
-            data_args.image_column,
-            data_args.label_column,
+            data_args.image_column_name,
+            data_args.label_column_name,
             num_labels=len(id2label),
             train=train_mode,
             split=split,

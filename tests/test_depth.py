@@ -226,7 +226,8 @@ def test_linear_probe_script_depth_task(veca_dir, tmp_path):
     arguments = [
         "--model_name_or_path", str(veca_dir), "--budgets", "8,16", "--resolutions", str(RESOLUTION),
         "--depth_dataset", str(folder), "--depth_scale", "1000", "--depth_steps", "100", "--device", "cpu",
-        "--extraction_device", "cpu", "--cache_dir", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "out"),
+        "--extraction_device", "cpu", "--feature_cache_dir", str(tmp_path / "cache"),
+        "--output_dir", str(tmp_path / "out"),
     ]  # fmt: skip
     results = script.main(["--task", "depth", *arguments])
 

@@ -292,8 +292,13 @@ def test_build_student_config_from_preset_or_saved_config_with_overrides(tmp_pat
 def test_teacher_autocast_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert teacher_autocast_dtype("auto", cpu) is None and teacher_autocast_dtype("auto", cuda) is torch.bfloat16
+    assert (
+        teacher_autocast_dtype("bfloat16", cpu) is torch.bfloat16 and teacher_autocast_dtype("float32", cuda) is None
+    )
+    assert teacher_autocast_dtype("float16", cpu) is torch.float16
+    # The short spellings (accelerate's --mixed_precision uses them) read the same.
     assert teacher_autocast_dtype("bf16", cpu) is torch.bfloat16 and teacher_autocast_dtype("fp32", cuda) is None
-    with pytest.raises(ValueError, match="'float8' is not one of"):
+    with pytest.raises(ValueError, match="--teacher_dtype 'float8' is not one of .*: pass one of them"):
         teacher_autocast_dtype("float8", cpu)
 
 

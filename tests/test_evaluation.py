@@ -231,8 +231,8 @@ def test_linear_probe_script_side_by_side_and_cached(
             "--model_name_or_path", str(veca_dir), str(dinov2_dir), "--budgets", "8,16", "--resolutions", "32,64",
             "--train_dir", str(classification_dirs[0]), "--validation_dir", str(classification_dirs[1]),
             "--seg_dir", str(segmentation_dirs[0]), "--seg_validation_dir", str(segmentation_dirs[1]),
-            "--classification_steps", "100", "--segmentation_steps", "60", "--extraction_batch_size", "16",
-            "--device", "cpu", "--extraction_device", "cpu", "--cache_dir", str(cache_dir),
+            "--classification_steps", "100", "--segmentation_steps", "60", "--per_device_eval_batch_size", "16",
+            "--device", "cpu", "--extraction_device", "cpu", "--feature_cache_dir", str(cache_dir),
             "--output_dir", str(output_dir),
         ])  # fmt: skip
 
@@ -360,7 +360,7 @@ def test_run_linear_probes_adds_knn_intervals_and_predictions(veca_dir, classifi
     around the shipped metric's accuracy and the per-image predictions it was computed from."""
     train = evaluation.image_folder(classification_dirs[0])
     validation = evaluation.image_folder(classification_dirs[1], class_names=train.class_names)
-    settings = evaluation.ProbeSettings(classification_steps=50, knn_k=3, extraction_batch_size=16, device="cpu")
+    settings = evaluation.ProbeSettings(classification_steps=50, knn_k=3, per_device_eval_batch_size=16, device="cpu")
     model = evaluation.ProbeModel(str(veca_dir), device="cpu")
     results = evaluation.run_linear_probes([model], [32], [8], classification=(train, validation), settings=settings)
     assert [r["task"] for r in results] == ["classification", "knn"]

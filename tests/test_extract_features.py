@@ -118,7 +118,7 @@ def test_two_processes_embed_every_image_once_as_a_direct_forward_does(model_dir
     root, names = image_folder
     output_dir = tmp_path / "embeddings"
     args = ["--model_name_or_path", model_dir, "--dataset_name", root, "--output_dir", output_dir,
-            "--num_core_tokens", "8", "--rows_per_file", "4", "--per_device_batch_size", "3",
+            "--num_core_tokens", "8", "--rows_per_file", "4", "--per_device_eval_batch_size", "3",
             "--dataloader_num_workers", "1", "--patch_features", "mean"]  # fmt: skip
     result = run_script(args, launcher=two_cpu_processes(29541))
 
@@ -142,7 +142,8 @@ def test_two_processes_embed_every_image_once_as_a_direct_forward_does(model_dir
 
 def test_killed_while_writing_the_same_command_finishes_with_the_same_rows(model_dir, parquet_shards, tmp_path):
     args = ["--model_name_or_path", model_dir, "--dataset_name", parquet_shards, "--rows_per_file", "3",
-            "--per_device_batch_size", "2", "--dataloader_num_workers", "2", "--patch_features", "all"]  # fmt: skip
+            "--per_device_eval_batch_size", "2", "--dataloader_num_workers", "2",
+            "--patch_features", "all"]  # fmt: skip
     run_script([*args, "--output_dir", tmp_path / "clean"])
     clean = rows_of(tmp_path / "clean")
 
@@ -190,7 +191,7 @@ def test_each_image_at_its_own_size_equals_its_own_forward(model_dir, image_fold
     root, names = image_folder
     output_dir = tmp_path / "own-size"
     load_script().main(["--model_name_or_path", str(model_dir), "--dataset_name", str(root), "--output_dir",
-                        str(output_dir), "--keep_size", "--max_image_side", "64", "--per_device_batch_size", "5",
+                        str(output_dir), "--keep_size", "--max_image_side", "64", "--per_device_eval_batch_size", "5",
                         "--dataloader_num_workers", "0", "--patch_features", "all"])  # fmt: skip
     rows = rows_of(output_dir)
     assert sorted(rows) == names
@@ -224,10 +225,11 @@ def test_webdataset_keys_are_the_ids_and_dino_models_work_too_in_bf16(tmp_path, 
     VecaImageProcessor.for_resolution(32).save_pretrained(dino)  # any processor; this one gives 32 px crops
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})  # a CPU without bf16 instructions
     with caplog.at_level(logging.WARNING, logger="veca_hf.hardware"):
-        load_script().main(["--model_name_or_path", str(dino), "--dataset_name", str(shards), "--output_dir",
-                            str(tmp_path / "out"), "--dataloader_num_workers", "0", "--dtype", "bf16"])  # fmt: skip
-    assert any(message.startswith("--dtype bf16: this CPU") for message in caplog.messages)
-    assert json.loads((tmp_path / "out" / "metadata.json").read_text())["dtype"] == "bf16"  # run as asked
+        load_script().main(["--model_name_or_path", str(dino), "--dataset_name", str(shards),
+                            "--output_dir", str(tmp_path / "out"), "--dataloader_num_workers", "0",
+                            "--dtype", "bfloat16"])  # fmt: skip
+    assert any(message.startswith("--dtype bfloat16: this CPU") for message in caplog.messages)
+    assert json.loads((tmp_path / "out" / "metadata.json").read_text())["dtype"] == "bfloat16"  # run as asked
     rows = rows_of(tmp_path / "out")
     assert sorted(rows) == [f"sample-{s}{r}" for s in range(2) for r in range(3)]
     assert len(rows["sample-00"]["embedding"]) == tiny_dinov3_config().hidden_size
@@ -280,3 +282,16 @@ def test_part_files_carry_their_row_counts_and_load_for_a_nearest_neighbour_sear
     embeddings = np.asarray(table["embedding"], dtype=np.float32)  # (21, 64)
     _, neighbours = NearestNeighbors(n_neighbors=2, metric="cosine").fit(embeddings).kneighbors(embeddings)
     assert embeddings.shape == (21, 64) and (neighbours[:, 0] == np.arange(21)).all()
+
+
+def test_a_folder_started_with_the_short_dtype_spelling_resumes(tmp_path):
+    from veca_hf.embedding import SETTINGS_FILE, EmbeddingSettings
+
+    values = dict(model="m", model_type="veca", num_core_tokens=8, resolution=64, keep_size=False, max_image_side=None,
+                  patch_features="none", dtype="bf16", rows_per_file=4, image_column="image", dataset="d",
+                  min_image_size=1)  # fmt: skip
+    EmbeddingSettings(**values).check_against(tmp_path)  # a folder whose settings hold the short spelling
+    assert json.loads((tmp_path / SETTINGS_FILE).read_text())["dtype"] == "bf16"
+    EmbeddingSettings(**{**values, "dtype": "bfloat16"}).check_against(tmp_path)  # the same run: no error
+    with pytest.raises(ValueError, match="dtype: 'bfloat16' there, 'float32' now"):
+        EmbeddingSettings(**{**values, "dtype": "float32"}).check_against(tmp_path)

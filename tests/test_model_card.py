@@ -11,6 +11,8 @@ from veca_hf import VecaConfig, VecaForImageClassification, VecaImageProcessor, 
 from veca_hf.flops import veca_model_flops
 from veca_hf.model.convert_veca_original import main as convert_main
 from veca_hf.model_card import (
+    DINOV3_LICENSE,
+    base_model_license,
     budget_metrics_from_results,
     preset_teacher,
     push_to_hub,
@@ -56,7 +58,7 @@ def test_card_metadata_parses_back(tiny_folder):
         latency_repeats=1,
     )
     card = ModelCard.load(tiny_folder / "README.md")
-    assert card.data.license == "apache-2.0"
+    assert card.data.license == "other" and card.data.license_name == "dinov3-license"  # the DINOv3 teacher's
     assert card.data.library_name == "transformers"
     assert card.data.pipeline_tag == "image-feature-extraction"
     assert {"veca", "vision", "custom_code"} <= set(card.data.tags)
@@ -148,6 +150,23 @@ def test_converter_writes_a_card(tmp_path, fake_hub):
     assert card.data.base_model == TEACHER and card.data.datasets == ["ILSVRC/imagenet-1k"]
     assert "tiny_reference.pth" in card.text and "| 16 |" in card.text
     assert fake_hub == {"create_repo": [], "upload_folder": []}  # no push without --push_to_hub
+    assert card.data.to_dict()["license_link"] == DINOV3_LICENSE["license_link"]  # follows the teacher by default
+
+
+@pytest.mark.parametrize(
+    "flags, license",
+    [
+        ([], {"license": "other"}),  # the tiny fixture matches no preset: no teacher, no known license
+        (["--base_model", "facebook/dinov2-base"], {"license": "apache-2.0"}),
+        (["--base_model", TEACHER, "--license", "mit"], {"license": "mit"}),  # the flag always wins
+    ],
+)
+def test_converter_license_follows_the_base_model_unless_given(tmp_path, flags, license):
+    output_dir = tmp_path / "converted"
+    convert_main(["--checkpoint", str(FIXTURES / "tiny_reference.pth"), "--output-dir", str(output_dir),
+                  "--no_latency", *flags])  # fmt: skip
+    metadata = ModelCard.load(output_dir / "README.md").data.to_dict()
+    assert {key: metadata[key] for key in ("license", "license_name", "license_link") if key in metadata} == license
 
 
 def test_converter_pushes_to_the_output_folder_name(tmp_path, fake_hub, capsys):
@@ -232,3 +251,39 @@ def test_trainers_own_card_names_no_local_path(tmp_path, hub):
         task="image-classification", metrics_description="", description="",
     )  # fmt: skip
     assert (pushed["finetuned_from"], pushed["dataset"]) == ((TEACHER, "ILSVRC/imagenet-1k") if hub else (None, None))
+
+
+@pytest.mark.parametrize(
+    "base_model, metadata",
+    [
+        (TEACHER, DINOV3_LICENSE),
+        ("facebook/dinov3-vit7b16-pretrain-sat493m", DINOV3_LICENSE),
+        ("facebook/dinov2-with-registers-base", {"license": "apache-2.0"}),
+        ("someone/veca-b16", {"license": "other"}),  # a Hub model whose license this code does not know
+        ("local", {"license": "other"}),  # a local folder
+        (None, {"license": "other"}),
+    ],
+)
+def test_card_license_follows_the_base_model(tiny_folder, tmp_path, monkeypatch, caplog, base_model, metadata):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local").mkdir()
+    with caplog.at_level("WARNING"):
+        card = write_model_card(tiny_folder, base_model=base_model, measure_latency=False)
+    written = ModelCard.load(tiny_folder / "README.md").data.to_dict()
+    assert {key: written[key] for key in ("license", "license_name", "license_link") if key in written} == metadata
+    license_text = card.text.split("## License\n\n")[1].split("\n\n## ")[0]
+    known = base_model_license(base_model) is not None
+    assert known == ("Not set" not in license_text)
+    assert known == (not any("the license is not set" in message for message in caplog.messages))
+    if metadata is DINOV3_LICENSE:
+        assert f"[DINOv3 License]({DINOV3_LICENSE['license_link']})" in license_text and base_model in license_text
+    if not known:  # tells the user how to set it, naming the base model the way the card does
+        assert "license=" in license_text and "--license" in license_text
+        assert ("a local folder" in license_text) == (base_model == "local")
+
+
+def test_an_explicit_license_always_wins(tiny_folder):
+    card = write_model_card(tiny_folder, base_model=TEACHER, license="mit", measure_latency=False)
+    written = ModelCard.load(tiny_folder / "README.md").data.to_dict()
+    assert written["license"] == "mit" and "license_name" not in written and "license_link" not in written
+    assert "## License\n\n`mit`." in card.text

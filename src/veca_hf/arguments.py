@@ -14,6 +14,7 @@ that is what keeps `null` as `None` (as strings it became `'None'`, or failed fo
 """
 
 import argparse
+import copy
 import json
 import re
 import shlex
@@ -26,9 +27,55 @@ import yaml
 from transformers import HfArgumentParser
 
 
-__all__ = ["ARGS_FILE_SUFFIXES", "parse_args_with_file", "redact_secrets", "redact_urls"]
+__all__ = [
+    "ARGS_FILE_SUFFIXES",
+    "CanonicalHelpFormatter",
+    "canonical_dtype",
+    "parse_args_with_file",
+    "redact_secrets",
+    "redact_urls",
+]
 
 ARGS_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+# A dtype flag's value: torch's name, or the short spelling that accelerate's `--mixed_precision` also uses.
+DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def canonical_dtype(flag: str, value: str, allowed: Sequence[str]) -> str:
+    """
+    The torch name of a dtype flag's value: `"bf16"` -> `"bfloat16"`, `"fp32"` -> `"float32"`, `"fp16"` ->
+    `"float16"`; torch names (and other `allowed` words such as `"auto"`) as they are.
+
+    Args:
+        flag (`str`): the flag, for the error (`"--dtype"`).
+        value (`str`): what was passed.
+        allowed (`Sequence[str]`): the values the flag takes, in their torch spelling (`("float32", "bfloat16")`).
+
+    Raises:
+        `ValueError`: naming the flag, the value and the values it takes, if `value` is none of them.
+    """
+    name = DTYPE_SPELLINGS.get(value, value)
+    if name not in allowed:
+        shorts = [short for short, long in DTYPE_SPELLINGS.items() if long in allowed]
+        raise ValueError(
+            f"{flag} {value!r} is not one of {list(allowed)}: pass one of them (or its short spelling, "
+            f"{' | '.join(shorts)})."
+        )
+    return name
+
+
+class CanonicalHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` lists each flag under its first long name (and its short ones, `-h`); its other spellings (aliases,
+    which still parse) stay out."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        longs = [option for option in action.option_strings if option.startswith("--")]
+        if len(longs) < 2:
+            return super()._format_action_invocation(action)
+        canonical = copy.copy(action)
+        canonical.option_strings = [option for option in action.option_strings if option not in longs[1:]]
+        return super()._format_action_invocation(canonical)
 
 
 # A value is a credential when a part of its (lower-case) name is one of these: Hub tokens, storage keys, passwords,
@@ -229,6 +276,16 @@ def _explicit_flags(parser: HfArgumentParser, argv: Sequence[str]) -> dict:
     return vars(namespace)
 
 
+def _aliases(parser: HfArgumentParser) -> dict[str, str]:
+    """Every alias of a flag (`image_column`), without its dashes, -> its field (`image_column_name`)."""
+    return {
+        option.lstrip("-"): action.dest
+        for action in parser._actions
+        for option in action.option_strings[1:]
+        if option.startswith("--") and option.lstrip("-") != action.dest
+    }
+
+
 def _convert_file_value(parser: HfArgumentParser, key: str, value, path: str):
     """Apply the flag's type to a file value written as text (`1e-3` is a string in YAML), keep `None` as `None`."""
     action = next((action for action in parser._actions if action.dest == key), None)
@@ -245,7 +302,8 @@ def _convert_file_value(parser: HfArgumentParser, key: str, value, path: str):
 def parse_args_with_file(parser: HfArgumentParser, argv: Sequence[str] | None = None) -> tuple:
     """
     Parse `argv` into the parser's dataclasses; a leading `.json` / `.yaml` / `.yml` file supplies values that the
-    flags after it override.
+    flags after it override. A field's aliases (`field(metadata={"aliases": ["--old_name"]})`) work as flags and as
+    file keys; `--help` shows only the field's own name.
 
     Args:
         parser (`HfArgumentParser`):
@@ -261,10 +319,16 @@ def parse_args_with_file(parser: HfArgumentParser, argv: Sequence[str] | None = 
         field without a default is given neither in the file nor as a flag.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter:  # HfArgumentParser's default
+        parser.formatter_class = CanonicalHelpFormatter
     if not argv or not argv[0].endswith(ARGS_FILE_SUFFIXES):
         return parser.parse_args_into_dataclasses(args=argv)
     path, flags = argv[0], argv[1:]
-    values = {key: _convert_file_value(parser, key, value, path) for key, value in _read_args_file(path).items()}
+    aliases = _aliases(parser)  # a file written with an alias (`image_column:`) reads as its flag does
+    values = {
+        aliases.get(key, key): _convert_file_value(parser, aliases.get(key, key), value, path)
+        for key, value in _read_args_file(path).items()
+    }
     values.update(_explicit_flags(parser, flags))
     try:
         return parser.parse_dict(values)

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers.utils import logging
 
-from .arguments import redact_urls
+from .arguments import DTYPE_SPELLINGS, redact_urls
 from .data import decode_image
 from .data.sources import is_transient_network_error, remote_url_in_error, safe_cause
 from .data.stream import exit_with_parent
@@ -132,6 +132,8 @@ class EmbeddingSettings:
             write_json(path, current)
             return
         stored = json.loads(path.read_text())
+        # A short spelling stored there (`bf16`) is the same setting as its torch name (`bfloat16`).
+        stored["dtype"] = DTYPE_SPELLINGS.get(stored.get("dtype"), stored.get("dtype"))
         different = {name: (stored.get(name), value) for name, value in current.items() if stored.get(name) != value}
         if different:
             listed = ", ".join(f"{name}: {old!r} there, {new!r} now" for name, (old, new) in different.items())

@@ -227,8 +227,8 @@ def slow_bf16_warning(device: str | torch.device = "cpu") -> str | None:
 
 
 def warn_if_slow_bf16(device: str | torch.device, requested_by: str) -> str | None:
-    """Logs [`slow_bf16_warning`] for `device`, naming what asked for bf16 (e.g. `"--dtype bf16"`). It only warns: the
-    caller goes on in bf16, never silently in fp32. Returns the text, or `None` when there was nothing to say."""
+    """Logs [`slow_bf16_warning`] for `device`, naming what asked for bf16 (e.g. `"--dtype bfloat16"`). It only warns:
+    the caller goes on in bf16, never silently in fp32. Returns the text, or `None` when there was nothing to say."""
     text = slow_bf16_warning(device)
     if text is not None:
         text = f"{requested_by}: {text}"

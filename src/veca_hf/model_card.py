@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # NOTE: only for the annotation: the converter writes cards w
 logger = logging.get_logger(__name__)
 
 __all__ = [
+    "base_model_license",
     "budget_metrics_from_results",
     "create_hub_repo",
     "is_hub_id",
@@ -52,6 +53,12 @@ __all__ = [
 ]
 
 PAPER_URL = "https://arxiv.org/abs/2605.12491"
+DINOV3_LICENSE = {
+    "license": "other",
+    "license_name": "dinov3-license",
+    "license_link": "https://ai.meta.com/resources/models-and-libraries/dinov3-license/",
+}
+DINOV2_LICENSE = {"license": "apache-2.0"}
 # What a card says instead of a local path (`public_name`).
 LOCAL_FOLDER, LOCAL_FILES = "a local folder", "local files"
 # Run artefacts that never belong in a Hub repository (resumable checkpoints, logs).
@@ -229,6 +236,44 @@ def is_hub_id(name: str) -> bool:
     return not Path(name).expanduser().exists()
 
 
+def base_model_license(base_model: str | None) -> dict[str, str] | None:
+    """
+    The card license of a model that derives from `base_model` (its teacher, or the model it was fine-tuned from):
+    the DINOv3 License (`license: other`, `license_name: dinov3-license`, `license_link`) for a `facebook/dinov3*`
+    Hub id, `apache-2.0` for `facebook/dinov2*`; `None` where it is not known (any other Hub id, a local folder, no
+    base model).
+    """
+    if not base_model or not is_hub_id(base_model):
+        return None
+    name = base_model.lower()
+    if name.startswith("facebook/dinov3"):
+        return dict(DINOV3_LICENSE)
+    if name.startswith("facebook/dinov2"):
+        return dict(DINOV2_LICENSE)
+    return None
+
+
+def _license_section(license: str | None, base_model: str | None, inherited: dict[str, str] | None) -> str:
+    """The card's license paragraph: the license given, the one inherited from the base model, or how to set it."""
+    if license:
+        return f"`{license}`."
+    if inherited is not None and inherited.get("license_name") == DINOV3_LICENSE["license_name"]:
+        return (
+            f"The [DINOv3 License]({DINOV3_LICENSE['license_link']}): the weights derive from `{base_model}`, "
+            "which ships under it. Read its terms before you use or share this model."
+        )
+    if inherited is not None:
+        return f"`{inherited['license']}`, the license of `{base_model}`, which the weights derive from."
+    source = (
+        f"{_in_text(base_model)}, which the weights derive from" if base_model else "the weights it was trained from"
+    )
+    return (
+        f"Not set: `license: other` stands until you set the license of {source}. Edit the `license` field of this "
+        "card's metadata, or write the card again with `write_model_card(..., license=...)` (the converter: "
+        "`--license`)."
+    )
+
+
 def public_name(name: str) -> str:
     """
     How a public model card names a model or a data source: a Hub id as it is, a URL without its credentials (user
@@ -290,7 +335,7 @@ def write_model_card(
     metrics_description: str | None = None,
     description: str | None = None,
     training_details: Mapping[str, Any] | None = None,
-    license: str = "apache-2.0",
+    license: str | None = None,
     pipeline_tag: str | None = None,
     tags: Sequence[str] = (),
     resolutions: Sequence[int] | None = None,
@@ -326,8 +371,11 @@ def write_model_card(
             How this folder was made (converted, distilled, fine-tuned), shown under the title.
         training_details (`Mapping[str, Any]`, *optional*):
             Hyperparameters and other facts of the run, shown as a two-column table.
-        license (`str`, *optional*, defaults to `"apache-2.0"`):
-            The license identifier for the Hub metadata.
+        license (`str`, *optional*):
+            The license identifier for the Hub metadata; it always wins. By default the license follows
+            `base_model` (`base_model_license`): the DINOv3 License for a `facebook/dinov3*` teacher, `apache-2.0`
+            for `facebook/dinov2*`; for any other or a local base model, `other`, and the card (and a warning) says
+            to set it.
         pipeline_tag (`str`, *optional*):
             Defaults to `"image-classification"` for a classifier, `"image-segmentation"` and `"depth-estimation"`
             for the dense heads, else `"image-feature-extraction"`.
@@ -373,8 +421,19 @@ def write_model_card(
     with torch.device("meta"):  # shapes only: counts parameters without memory or initialisation
         num_parameters = sum(p.numel() for p in _model_class(class_name)(saved_config).parameters())
 
+    inherited = None if license else base_model_license(base_model)
+    license_metadata = {"license": license} if license else inherited or {"license": "other"}
+    if not license and inherited is None:
+        base = "no base model given"
+        if base_model:
+            base = f"base model {redact_urls(base_model)}, not a facebook/dinov2 or facebook/dinov3 Hub id"
+        logger.warning(
+            f"{model_dir / 'README.md'}: the license is not set ({base}), "
+            "so the card says `license: other`. Set it to the license of the weights the "
+            "model derives from: write_model_card(..., license=...), or the converter's --license."
+        )
     card_data = ModelCardData(
-        license=license,
+        **license_metadata,
         library_name="transformers",
         pipeline_tag=pipeline_tag,
         tags=list(dict.fromkeys(["veca", "vision", pipeline_tag, *(["custom_code"] if has_veca_code else []), *tags])),
@@ -508,6 +567,7 @@ def write_model_card(
         "print(choice.table())\n"
         f"{budget_setting}\n```"
     )
+    sections.append("## License\n\n" + _license_section(license, base_model, inherited))
     sections.append(f"## Citation\n\nVECA: [arXiv 2605.12491]({PAPER_URL}).")
 
     card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")

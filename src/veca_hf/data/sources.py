@@ -686,7 +686,7 @@ def detect_image_column(dataset, image_column: str | None = None) -> str:
         dataset (`datasets.IterableDataset` or `datasets.Dataset`):
             The dataset.
         image_column (`str`, *optional*):
-            The column asked for (e.g. `--image_column`); it is checked and returned as is.
+            The column asked for (e.g. `--image_column_name`); it is checked and returned as is.
 
     Returns:
         `str`: `image_column` if given, else the first column whose feature is `datasets.Image`, else the first of
@@ -709,5 +709,5 @@ def detect_image_column(dataset, image_column: str | None = None) -> str:
         if name in columns:
             return name
     raise ValueError(
-        f"Could not find an image column among the dataset's columns {columns}: pass it with `--image_column`."
+        f"Could not find an image column among the dataset's columns {columns}: pass it with `--image_column_name`."
     )

@@ -73,7 +73,9 @@ class DenseDataArguments:
         default=None, metadata={"help": "With --train_file: the validation split's Parquet file(s)."}
     )
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
-    image_column: str = field(default="image", metadata={"help": "The column holding the images."})
+    image_column_name: str = field(
+        default="image", metadata={"help": "The column holding the images.", "aliases": ["--image_column"]}
+    )
     shortest_edge: int = field(default=512, metadata={"help": "Images are resized to about this short side."})
     longest_edge: int | None = field(default=None, metadata={"help": "Bound the long side too."})
     train_val_split: float = field(
@@ -101,7 +103,7 @@ class DenseDataArguments:
         """`(train, validation)` as [`prepare_splits`] makes them from [`load`], after checking that every split has
         the image column and `target_column` (`(flag, column)`, e.g. `("--depth_column", "depth")`)."""
         dataset = self.load(cache_dir)
-        check_columns(dataset, {"--image_column": self.image_column, target_column[0]: target_column[1]})
+        check_columns(dataset, {"--image_column_name": self.image_column_name, target_column[0]: target_column[1]})
         return prepare_splits(
             dataset,
             training_args.do_train,
@@ -118,7 +120,7 @@ def check_columns(dataset, columns: Mapping[str, str]) -> None:
 
     Args:
         dataset (`datasets.DatasetDict`): the splits to check.
-        columns (`Mapping[str, str]`): flag -> column, e.g. `{"--image_column": "image"}`.
+        columns (`Mapping[str, str]`): flag -> column, e.g. `{"--image_column_name": "image"}`.
     """
     for split, table in dataset.items():
         for flag, column in columns.items():

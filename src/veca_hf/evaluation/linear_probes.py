@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
+from ..arguments import canonical_dtype
 from .datasets import IGNORE_INDEX, ImageSet
 from .features import FeatureCache, ProbeModel, check_resolutions
 from .knn import knn_classify
@@ -404,8 +405,10 @@ class ProbeSettings:
         (1e-4): the same for depth.
         standardize (`bool`, defaults to `True`): standardise global features per dimension for the SGD classifier.
         rescale (`bool`, defaults to `True`): divide dense features by their training-set RMS for the AdamW probe.
-        extraction_batch_size (`int`, defaults to 64), num_workers (0): the feature extraction `DataLoader`'s.
-        feature_dtype (`str`, defaults to `"float32"`): how cached features are stored (`"float16"` halves the disk).
+        per_device_eval_batch_size (`int`, defaults to 64), dataloader_num_workers (0): the feature extraction
+            `DataLoader`'s batch size and workers.
+        feature_dtype (`str`, defaults to `"float32"`): how cached features are stored (`"float16"` halves the disk;
+            `"fp32"` / `"fp16"` are read as these).
         knn_k (`int`, defaults to 0), knn_temperature (0.07): with `knn_k > 0`, classification also reports a
             cosine k-NN on the same global features (`knn_classify`; task `"knn"`).
         seed (`int`, defaults to 0): seeds both probes.
@@ -425,13 +428,23 @@ class ProbeSettings:
     depth_weight_decay: float = field(default=1e-4, metadata={"help": "Its weight decay."})
     standardize: bool = field(default=True, metadata={"help": "Standardise global features per dimension (SGD)."})
     rescale: bool = field(default=True, metadata={"help": "Divide dense features by their training RMS (AdamW)."})
-    extraction_batch_size: int = field(default=64, metadata={"help": "Images per backbone forward."})
-    num_workers: int = field(default=0, metadata={"help": "DataLoader workers decoding images for extraction."})
-    feature_dtype: str = field(default="float32", metadata={"help": "Cached feature dtype: float32 | float16."})
+    per_device_eval_batch_size: int = field(
+        default=64, metadata={"help": "Images per backbone forward.", "aliases": ["--extraction_batch_size"]}
+    )
+    dataloader_num_workers: int = field(
+        default=0,
+        metadata={"help": "DataLoader workers decoding images for extraction.", "aliases": ["--num_workers"]},
+    )
+    feature_dtype: str = field(
+        default="float32", metadata={"help": "Cached feature dtype: float32 | float16 (or fp32 | fp16)."}
+    )
     knn_k: int = field(default=0, metadata={"help": "Also a weighted k-NN classifier with this k (0: none)."})
     knn_temperature: float = field(default=0.07, metadata={"help": "Its vote temperature (DINO's 0.07)."})
     seed: int = field(default=0, metadata={"help": "Seeds the probes' initialisation and batch order."})
     device: str | None = field(default=None, metadata={"help": "Where the probes train (default: cuda if any)."})
+
+    def __post_init__(self):
+        self.feature_dtype = canonical_dtype("--feature_dtype", self.feature_dtype, ("float32", "float16"))
 
 
 def _num_labels(masks: Iterable[torch.Tensor]) -> int:
@@ -489,7 +502,11 @@ def run_linear_probes(
     names = {m.name_or_path: m.name if short_names.count(m.name) == 1 else m.name_or_path for m in models}
     device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
     feature_dtype = getattr(torch, settings.feature_dtype)
-    extraction = dict(batch_size=settings.extraction_batch_size, num_workers=settings.num_workers, dtype=feature_dtype)
+    extraction = dict(
+        batch_size=settings.per_device_eval_batch_size,
+        num_workers=settings.dataloader_num_workers,
+        dtype=feature_dtype,
+    )
     if classification is not None:
         if classification[0].labels is None or classification[1].labels is None:
             raise ValueError("Classification sets need labels.")

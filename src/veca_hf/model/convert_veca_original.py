@@ -261,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         help="the teacher's Hub id (default: the DINOv3 teacher of the matching preset size; 'none' for no teacher)",
     )  # fmt: skip
     card.add_argument("--dataset", action="append", default=None, help="training data (Hub id); repeat for several")
-    card.add_argument("--license", default="apache-2.0", help="license identifier for the card (default apache-2.0)")
+    card.add_argument(
+        "--license", default=None,
+        help="license identifier for the card (default: the base model's, the DINOv3 License for a DINOv3 teacher)",
+    )  # fmt: skip
     card.add_argument(
         "--no_latency", "--no-latency", action="store_true",
         help="do not time the budgets on this machine for the card (FLOPs are still listed)",

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from transformers import AutoConfig, AutoModel, DINOv3ViTConfig, DINOv3ViTModel
 from transformers.utils import cached_file, logging
 
+from ..arguments import canonical_dtype
 from ..budgets import WeightedChoice
 from ..model.configuration_veca import VecaConfig
 from ..model.modeling_utils_veca import gathered_for_init
@@ -297,6 +298,7 @@ class DistillationLoss(nn.Module):
 
 
 PATCH_EMBEDDING_INIT_MODES = ("auto", "yes", "no")
+TEACHER_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def patch_embedding_conv(model: nn.Module) -> nn.Conv2d:
@@ -503,14 +505,12 @@ def _check_student_model_type(model_type: str, source: str) -> None:
 
 
 def teacher_autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """The teacher's autocast dtype for `name` (`"auto"`: bf16 on GPU, none (fp32) elsewhere; `"bf16"`, `"fp16"`,
-    `"fp32"`)."""
+    """The teacher's autocast dtype for `name`: `"auto"` (bfloat16 on GPU, none (float32) elsewhere), `"bfloat16"`,
+    `"float16"` or `"float32"` (none), or their short spellings `"bf16"`, `"fp16"`, `"fp32"`."""
+    name = canonical_dtype("--teacher_dtype", name, TEACHER_DTYPES)
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-    if name not in dtypes:
-        raise ValueError(f"teacher dtype {name!r} is not one of 'auto', 'bf16', 'fp16', 'fp32'.")
-    return dtypes[name]
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": None}[name]
 
 
 @torch.no_grad()
@@ -593,6 +593,7 @@ __all__ = [
     "dense_student_config",
     "init_patch_embeddings_from_teacher",
     "patch_embedding_conv",
+    "TEACHER_DTYPES",
     "teacher_autocast_dtype",
     "teacher_image_size",
     "teacher_normalization",
