@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point that does all set-up on a fresh machine, then runs a job.
-#   bash run.sh            the main job (a small offline distillation / demo on embedded defaults)
+#   bash run.sh            the main job (a small offline distillation on embedded defaults, then a probe of it)
 #   bash run.sh test       the test suite (what CI runs)
 #   bash run.sh lint       ruff check and ruff format --check (CI runs it before the tests)
 # Extra arguments are passed to the job (pytest flags for `test`).
@@ -43,9 +43,21 @@ case "$job" in
         exec "$VENV/bin/ruff" format --check .
         ;;
     main)
-        # Real photos from the scikit-image / scikit-learn wheels, then a small distillation on 2 CPU cores.
+        # Fashion-MNIST from Debian's dataset-fashion-mnist (installed here when missing, as root; or set
+        # VECA_HF_FASHION_MNIST to a folder of its IDX files), real photos from the scikit-image / scikit-learn
+        # wheels; a small distillation on 2 CPU cores, then a probe of the student against a random network.
+        if [ -z "${VECA_HF_FASHION_MNIST:-}" ] && [ ! -d /usr/share/datasets/fashion-mnist ]; then
+            if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+                apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null
+            else
+                echo "the main job needs Fashion-MNIST: 'sudo apt-get install dataset-fashion-mnist', or set VECA_HF_FASHION_MNIST" >&2
+                exit 1
+            fi
+        fi
         "$VENV/bin/python" -m veca_hf.demo photos outputs/demo/photos
-        exec "$VENV/bin/python" examples/distill.py examples/configs/demo_cpu.yaml "$@"
+        "$VENV/bin/python" -m veca_hf.demo pool outputs/demo/pool --photos_dir outputs/demo/photos
+        "$VENV/bin/python" examples/distill.py examples/configs/demo_cpu.yaml "$@"
+        exec "$VENV/bin/python" -m veca_hf.demo probe examples/configs/demo_cpu.yaml
         ;;
     *)
         echo "unknown job '$job': use 'bash run.sh' (main job), 'bash run.sh test' or 'bash run.sh lint'" >&2

@@ -221,6 +221,7 @@ def heldout_photo_views(args: ArmsArguments, photos_dir: Path, side: int):
     import PIL.Image
 
     from veca_hf import evaluation
+    from veca_hf.demo.main_job import photo_crops
     from veca_hf.evaluation.datasets import IMAGE_EXTENSIONS
 
     rng = np.random.default_rng(args.seed)
@@ -228,7 +229,7 @@ def heldout_photo_views(args: ArmsArguments, photos_dir: Path, side: int):
     views = []
     for path in photos:
         with PIL.Image.open(path) as image:
-            views += base.photo_crops(image.convert("RGB"), args.heldout_photo_crops, rng, side)
+            views += photo_crops(image.convert("RGB"), args.heldout_photo_crops, rng, side)
     return evaluation.ImageSet([np.asarray(PIL.Image.open(io.BytesIO(view)).convert("RGB")) for view in views])
 
 
@@ -855,11 +856,11 @@ def main(argv: list[str] | None = None) -> dict:
     output_dir, results_dir = Path(args.output_dir).resolve(), Path(args.results_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     from veca_hf.demo import offline_photos
-    from veca_hf.hub import resolve_teacher
+    from veca_hf.hub import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
 
     teacher = str(
         resolve_teacher(
-            args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser(), allow_fallback=True
+            args.teacher_name_or_path, Path(DEFAULT_TEACHER_FALLBACK_DIR).expanduser(), allow_fallback=True
         )
     )
     photos_dir = Path(args.photos_dir) if args.photos_dir else offline_photos(output_dir / "photos")

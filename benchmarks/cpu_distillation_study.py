@@ -142,82 +142,18 @@ def as_flags(values: dict) -> list[str]:
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
 
 
-def _encode(image: PIL.Image.Image, fmt: str) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
-    return buffer.getvalue()
-
-
-def photo_crops(image: PIL.Image.Image, count: int, rng: np.random.Generator, side: int) -> list[bytes]:
-    """`count` JPEG views of a photo: the whole photo, then random crops (15-100% of the area, aspect 3:4 to 4:3),
-    each resized so that its short side is `side` (large photos would otherwise give the stream few distinct views
-    at a low resolution)."""
-    width, height = image.size
-    views = []
-    for index in range(count):
-        box = (0, 0, width, height)
-        if index > 0:
-            area = width * height * rng.uniform(0.15, 1.0)
-            aspect = float(np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3))))
-            w, h = min(width, round((area * aspect) ** 0.5)), min(height, round((area / aspect) ** 0.5))
-            x, y = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
-            box = (x, y, x + w, y + h)
-        crop = image.crop(box)
-        scale = side / min(crop.size)
-        crop = crop.resize((max(side, round(crop.width * scale)), max(side, round(crop.height * scale))),
-                           PIL.Image.Resampling.BICUBIC)  # fmt: skip
-        views.append(_encode(crop, "JPEG"))
-    return views
-
-
 def prepare_data(args: StudyArguments, photos_dir: Path, data_dir: Path) -> None:
-    """The distillation pool as parquet shards, written once (`data_dir/manifest.json` marks it complete).
+    """The distillation pool (`veca_hf.demo.main_job.write_distillation_pool`): every Fashion-MNIST training image and
+    `photo_crops` views of each training photo, stored with a short side of 1.25x the resolution; a validation shard
+    of `validation_fashion_mnist` Fashion-MNIST test images and views of the held-out photos."""
+    from veca_hf.demo.main_job import PoolSettings, write_distillation_pool
 
-    `train-*.parquet`: every Fashion-MNIST training image (stored at 28 px; the stream resizes, so
-    `--min_image_size 28`) and `photo_crops` views of each training photo, shuffled together and dealt round-robin
-    into `num_shards` files. `validation-*.parquet`: `validation_fashion_mnist` Fashion-MNIST *test* images and
-    `heldout_photo_crops` views of each held-out photo.
-    """
-    import datasets
-
-    from veca_hf import evaluation
-    from veca_hf.evaluation.datasets import IMAGE_EXTENSIONS
-
-    if (data_dir / "manifest.json").exists():
-        return
-    rng = np.random.default_rng(args.seed)
-    side = round(1.25 * args.resolution)
-    photos = sorted(p for p in photos_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
-    if len(photos) <= args.heldout_photos:
-        raise ValueError(f"{photos_dir} has {len(photos)} photos; {args.heldout_photos} are held out.")
-    records = {"train": [], "validation": []}
-    for index, path in enumerate(photos):
-        split, count = ("validation", args.heldout_photo_crops) if index < args.heldout_photos else (
-            "train", args.photo_crops)  # fmt: skip
-        with PIL.Image.open(path) as image:
-            views = photo_crops(image.convert("RGB"), count, rng, side)
-        records[split] += [(view, f"photo/{path.stem}/{k}") for k, view in enumerate(views)]
-    for split, name, limit in (("train", "train", None), ("validation", "test", args.validation_fashion_mnist)):
-        images = evaluation.fashion_mnist(args.fashion_mnist_dir, name).images[:limit]  # (N, 28, 28) uint8
-        records[split] += [(_encode(PIL.Image.fromarray(a), "PNG"), f"fashion-mnist/{name}/{i}") for i, a in
-                           enumerate(images)]  # fmt: skip
-    features = datasets.Features({"image": datasets.Image(), "source": datasets.Value("string")})
-    data_dir.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for split, num_shards in (("train", args.num_shards), ("validation", 1)):
-        order = rng.permutation(len(records[split])) if split == "train" else np.arange(len(records[split]))
-        for shard in range(num_shards):
-            part = [records[split][i] for i in order[shard::num_shards]]
-            table = {"image": [{"bytes": b, "path": None} for b, _ in part], "source": [s for _, s in part]}
-            datasets.Dataset.from_dict(table, features=features).to_parquet(
-                str(data_dir / f"{split}-{shard:05d}-of-{num_shards:05d}.parquet")
-            )
-        counts[split] = {
-            "images": len(records[split]),
-            "photo_views": sum(s.startswith("photo/") for _, s in records[split]),
-            "shards": num_shards,
-        }
-    (data_dir / "manifest.json").write_text(json.dumps({**counts, "photos": [p.name for p in photos]}, indent=2))
+    settings = PoolSettings(
+        photo_crops=args.photo_crops, heldout_photos=args.heldout_photos, heldout_photo_crops=args.heldout_photo_crops,
+        validation_fashion_mnist=args.validation_fashion_mnist, num_shards=args.num_shards,
+        side=round(1.25 * args.resolution), seed=args.seed,
+    )  # fmt: skip
+    write_distillation_pool(data_dir, photos_dir, args.fashion_mnist_dir, settings)
 
 
 def forwarded(args: StudyArguments, *names: str) -> dict:
@@ -590,11 +526,11 @@ def main(argv: list[str] | None = None) -> dict:
     output_dir = Path(args.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     from veca_hf.demo import offline_photos
-    from veca_hf.hub import resolve_teacher
+    from veca_hf.hub import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
 
     # The study is documented to use the offline DINOv2-S/14 when the Hub is unreachable: it opts in, here, once.
     teacher = resolve_teacher(
-        args.teacher_name_or_path, Path("~/.cache/veca_hf/dinov2-small-imgfocus").expanduser(), allow_fallback=True
+        args.teacher_name_or_path, Path(DEFAULT_TEACHER_FALLBACK_DIR).expanduser(), allow_fallback=True
     )
     photos_dir = Path(args.photos_dir) if args.photos_dir else offline_photos(output_dir / "photos")
     paths = {

@@ -48,7 +48,7 @@ from veca_hf.data import (
     resize_batch,
 )
 from veca_hf.hardware import warn_if_slow_bf16
-from veca_hf.hub import resolve_teacher_on_all_ranks, take_credentials
+from veca_hf.hub import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher_on_all_ranks, take_credentials
 from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
 from veca_hf.training.checkpointing import (
     checkpoint_steps,
@@ -120,7 +120,7 @@ class ModelArguments:
         },
     )
     teacher_fallback_dir: str = field(
-        default="~/.cache/veca_hf/dinov2-small-imgfocus",
+        default=DEFAULT_TEACHER_FALLBACK_DIR,
         metadata={"help": "Where the offline fallback teacher lives."},
     )
     student_preset: str | None = field(
@@ -562,7 +562,8 @@ def build_optimization(model: torch.nn.Module, args):
         hidden = optimizer_group_names(model, optimizer)[0]
         logger.info(
             f"NorMuon for {len(hidden)} hidden matrices ({hidden[0]}, ...); AdamW for the other "
-            f"{sum(1 for p in model.parameters() if p.requires_grad) - len(hidden)} tensors."
+            f"{sum(1 for p in model.parameters() if p.requires_grad) - len(hidden)} tensors; Newton-Schulz "
+            f"iteration in {optimizer.newton_schulz_dtype} (docs/training.md)."
         )
     # NOTE: the scheduler is stepped by hand once per optimiser step (a prepared one steps once per process); its
     # state (plain numbers) is saved as JSON in training_state.json, so a checkpoint holds no pickled object.

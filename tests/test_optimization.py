@@ -20,6 +20,7 @@ from veca_hf.training.optimization import (
     build_optimizer,
     check_optimizer_backend,
     cosine_schedule_with_warmup,
+    newton_schulz_dtype,
     normuon_parameter_names,
     optimizer_group_names,
 )
@@ -98,6 +99,34 @@ def test_normuon_and_adamw_train_differently_and_stay_finite():
         weights[name] = model.encoder.layer[0].attention.qkv_proj.weight.detach().clone()
         assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not torch.allclose(weights["adamw"], weights["normuon"])
+
+
+def test_newton_schulz_runs_in_fp32_on_a_cpu_without_bf16_instructions(monkeypatch):
+    from veca_hf import hardware
+
+    for fast, expected in ((False, torch.float32), (True, torch.bfloat16), (None, torch.bfloat16)):
+        monkeypatch.setattr(hardware, "cpu_bf16_support", lambda measure_size=None, fast=fast: {"fast_bf16": fast})
+        assert newton_schulz_dtype("cpu") == expected
+        assert build_optimizer(VecaModel(tiny_config()), "normuon", 1e-2).newton_schulz_dtype == expected
+    assert newton_schulz_dtype("cuda") == torch.bfloat16
+
+
+def test_the_newton_schulz_dtype_reaches_the_iteration():
+    """One NorMuon step on the same weight and gradient with the iteration in fp64, fp32 and bf16: the fp32 step is
+    the fp64 one to float precision, the bf16 step (pytorch-optimizer's own) is not."""
+    from veca_hf.training.optimization import _normuon_class
+
+    steps = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(96, 160, bias=False)
+        optimizer = _normuon_class()([{"params": [linear.weight], "use_muon": True}], newton_schulz_dtype=dtype)
+        linear.weight.grad = torch.randn_like(linear.weight)
+        optimizer.step()
+        steps[dtype] = linear.weight.detach().clone()
+    fp32_error = (steps[torch.float32] - steps[torch.float64]).abs().max()
+    bf16_error = (steps[torch.bfloat16] - steps[torch.float64]).abs().max()
+    assert fp32_error < 1e-6 < bf16_error, (fp32_error, bf16_error)
 
 
 def test_unknown_optimizer_and_normuon_under_deepspeed_are_clear_errors():

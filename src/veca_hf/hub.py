@@ -143,6 +143,10 @@ def _unusable_reason(teacher_name_or_path: str, timeout: float) -> str | None:
         return f"the Hugging Face Hub could not be reached ({type(error).__name__}: {str(error)[:200]})"
 
 
+# where the offline stand-in teacher is extracted unless the caller says otherwise
+DEFAULT_TEACHER_FALLBACK_DIR = "~/.cache/veca_hf/dinov2-small-imgfocus"
+
+
 def resolve_teacher(
     teacher_name_or_path: str,
     fallback_dir: str | Path | None = None,
