@@ -357,6 +357,44 @@ def test_time_budgets_measures_every_budget_and_pick_budget_says_what_it_chose(c
     assert "C=16 is the largest budget within 1e+06 ms per batch of 1 at 32x32 (C=8: " in caplog.text
 
 
+def test_pick_budget_says_when_no_budget_is_cheaper_than_a_dense_vit(caplog):
+    """At a small image the cores outweigh the attention VECA saves: every budget does more work than the dense ViT of
+    the same size, and pick_budget says so; at a larger image the smallest budget does less."""
+    from transformers import DINOv3ViTModel
+
+    from veca_hf.flops import count_flops, dense_twin_model_flops, veca_model_flops
+    from veca_hf.training.distillation import dense_student_config
+
+    config = tiny_config()
+    model = VecaModel(config)
+    dense = DINOv3ViTModel(dense_student_config(config)).eval()
+    for side in (32, 256):  # the analytic count is what the dense twin really does
+        assert dense_twin_model_flops(config, side, side) == count_flops(dense, torch.randn(1, 3, side, side))
+
+    with caplog.at_level(logging.INFO, logger="veca_hf.budgets"):
+        small = pick_budget(model, 32, latency_target_ms=1e6, warmup=0, repeats=1, dense_model=dense)
+    assert all(ratio > 1 for ratio in small.flops_vs_dense.values())
+    assert small.flops_vs_dense[8] == veca_model_flops(config, 32, 32, 8) / dense_twin_model_flops(config, 32, 32)
+    assert small.dense_latency_ms > 0 and "| dense model |" in small.table()
+    assert small.budgets_cheaper_than_dense == [
+        b for b, ms in small.latencies_ms.items() if ms < small.dense_latency_ms
+    ]
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="veca_hf.budgets"):
+        large = pick_budget(model, 256, latency_target_ms=1e6, warmup=0, repeats=1)
+    assert large.dense_latency_ms is None and large.flops_vs_dense[8] < 1 and 8 in large.budgets_cheaper_than_dense
+    assert "no budget beats" not in caplog.text
+    small.dense_latency_ms = None  # by FLOPs alone, no budget is cheaper at 32 px
+    assert small.budgets_cheaper_than_dense == []
+
+
+def test_pick_budget_warns_when_no_budget_beats_the_dense_flops(caplog):
+    with caplog.at_level(logging.WARNING, logger="veca_hf.budgets"):
+        pick_budget(VecaModel(tiny_config()), 32, latency_target_ms=1e6, warmup=0, repeats=1)
+    assert "no budget beats the FLOPs of a dense ViT of the same size" in caplog.text
+
+
 def test_pick_budget_raises_for_an_impossible_target():
     model = VecaModel(tiny_config())
     with pytest.raises(ValueError, match=r"fastest measured was [0-9.]+ ms"):

@@ -237,3 +237,29 @@ def test_flops_grow_with_budget():
     assert all(a < b for a, b in zip(analytic, analytic[1:], strict=False))
     blocks = [attention_block_flops(768, 4096, num_cores=c) for c in config.budgets]
     assert all(a < b for a, b in zip(blocks, blocks[1:], strict=False))
+
+
+def test_the_docs_crossover_table_is_what_the_counts_say():
+    """docs/budget_picker.md's table of VECA-B/16 over DINOv3-B/16 FLOPs per image side and budget is computed here:
+    a change to the model or the counts that moves the crossover fails until the page says it."""
+    import re
+    from pathlib import Path
+
+    from transformers import DINOv3ViTConfig
+
+    from veca_hf.flops import dinov3_model_flops
+
+    page = (Path(__file__).parents[1] / "docs" / "budget_picker.md").read_text()
+    table = page.split("<!-- flop-table: veca-b16 vs dinov3-b16 -->", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if re.match(r"\| \d", line)]
+    assert len(rows) >= 8
+    veca = VecaConfig.from_preset("veca-b16")
+    dinov3 = DINOv3ViTConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                             patch_size=16, num_register_tokens=4)  # fmt: skip
+    for row in rows:
+        side, num_patches, *ratios = [cell.strip() for cell in row.strip("|").split("|")]
+        side = int(side)
+        assert int(num_patches) == (side // 16) ** 2
+        for budget, written in zip((8, 16, 32, 64), ratios, strict=True):
+            ratio = veca_model_flops(veca, side, side, num_core_tokens=budget) / dinov3_model_flops(dinov3, side, side)
+            assert f"{ratio:.3f}" == written, (side, budget)

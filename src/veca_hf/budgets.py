@@ -14,6 +14,7 @@ It imports only torch, transformers and the model, so every other module can imp
 """
 
 import contextlib
+import functools
 import inspect
 import math
 import statistics
@@ -26,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
+from .flops import dense_twin_model_flops, veca_model_flops
 from .model.configuration_veca import VecaConfig
 from .model.modeling_veca import VecaModel
 
@@ -342,6 +344,9 @@ class BudgetChoice:
         image_size (`tuple[int, int]`): `(height, width)` of the measured inputs.
         batch_size (`int`): images per forward pass.
         device (`str`): where it was measured.
+        flops_vs_dense (`dict[int, float]`): every budget's forward FLOPs over those of the dense ViT of the same
+            size at this image size ([`~veca_hf.flops.dense_twin_model_flops`]); above 1, VECA does more work.
+        dense_latency_ms (`float`, *optional*): the median latency of `dense_model`, when one was timed with them.
     """
 
     num_core_tokens: int
@@ -350,13 +355,30 @@ class BudgetChoice:
     image_size: tuple[int, int]
     batch_size: int
     device: str
+    flops_vs_dense: dict[int, float] = field(default_factory=dict)
+    dense_latency_ms: float | None = None
+
+    @property
+    def budgets_cheaper_than_dense(self) -> list[int]:
+        """The budgets faster than the dense model (measured, when `dense_latency_ms` is set) or, without one, with
+        fewer FLOPs than the dense ViT of the same size. Empty at small images, where the cores outweigh the saving."""
+        if self.dense_latency_ms is not None:
+            return [budget for budget, ms in self.latencies_ms.items() if ms < self.dense_latency_ms]
+        return [budget for budget, ratio in self.flops_vs_dense.items() if ratio < 1]
 
     def table(self) -> str:
         """The measurements as a Markdown table, the chosen budget marked."""
-        lines = ["| budget | median latency (ms) | fits |", "|---|---|---|"]
+        dense = self.dense_latency_ms
+        lines = ["| budget | median latency (ms) | FLOPs / dense | fits |", "|---|---|---|---|"]
         for budget, latency in self.latencies_ms.items():
             fits = "yes" if latency <= self.latency_target_ms else "no"
-            lines.append(f"| {budget} | {latency:.3f} | {'**chosen**' if budget == self.num_core_tokens else fits} |")
+            ratio = self.flops_vs_dense.get(budget)
+            lines.append(
+                f"| {budget} | {latency:.3f} | {'' if ratio is None else f'{ratio:.3f}'} | "
+                f"{'**chosen**' if budget == self.num_core_tokens else fits} |"
+            )
+        if dense is not None:
+            lines.append(f"| dense model | {dense:.3f} | 1 | {'yes' if dense <= self.latency_target_ms else 'no'} |")
         return "\n".join(lines)
 
 
@@ -383,10 +405,12 @@ def time_budgets(
     budgets: Sequence[int] | None = None,
     warmup: int = 2,
     repeats: int = 5,
-) -> dict[int, float]:
+    dense_model: nn.Module | None = None,
+) -> dict[int | str, float]:
     """
     The median latency in milliseconds of one forward pass at each budget, `{budget: ms}`, measured round-robin (a
-    change in machine load hits every budget alike). The arguments are those of [`pick_budget`].
+    change in machine load hits every budget alike), and `"dense": ms` for `dense_model` when one is given (timed in
+    the same rounds, on the same input). The arguments are those of [`pick_budget`].
     """
     if batch_size < 1 or warmup < 0 or repeats < 1:
         raise ValueError(f"Need batch_size >= 1, warmup >= 0 and repeats >= 1; got {batch_size}, {warmup}, {repeats}.")
@@ -403,24 +427,30 @@ def time_budgets(
         model.to(device)
     pixel_values = torch.randn(batch_size, config.num_channels, height, width, device=device, dtype=parameter.dtype)
 
-    was_training = model.training
-    model.eval()
+    calls = {budget: functools.partial(_forward_at, model, pixel_values, budget) for budget in budgets}
+    if dense_model is not None:
+        dense_model.to(device=device)
+        calls["dense"] = functools.partial(dense_model, pixel_values)
+    modes = [(module, module.training) for module in (model, dense_model) if module is not None]
+    for module, _ in modes:
+        module.eval()
     try:
         with torch.no_grad():
-            for budget in budgets:
+            for call in calls.values():
                 for _ in range(warmup):
-                    _forward_at(model, pixel_values, budget)
-            timings = {budget: [] for budget in budgets}
+                    call()
+            timings = {key: [] for key in calls}
             for _ in range(repeats):
-                for budget in budgets:
+                for key, call in calls.items():
                     _synchronize(device)
                     start = time.perf_counter()
-                    _forward_at(model, pixel_values, budget)
+                    call()
                     _synchronize(device)
-                    timings[budget].append((time.perf_counter() - start) * 1e3)
+                    timings[key].append((time.perf_counter() - start) * 1e3)
     finally:
-        model.train(was_training)
-    return {budget: statistics.median(values) for budget, values in timings.items()}
+        for module, was_training in modes:
+            module.train(was_training)
+    return {key: statistics.median(values) for key, values in timings.items()}
 
 
 def pick_budget(
@@ -432,9 +462,11 @@ def pick_budget(
     budgets: Sequence[int] | None = None,
     warmup: int = 2,
     repeats: int = 5,
+    dense_model: nn.Module | None = None,
 ) -> BudgetChoice:
     """
-    The largest budget that meets a latency target, measured on this machine.
+    The largest budget that meets a latency target, measured on this machine, and whether any budget is cheaper than
+    a dense ViT there.
 
     Every budget is timed: `warmup` untimed forward passes each, then `repeats` timed rounds over all budgets
     (round-robin, so that a change in machine load affects every budget alike), each pass timed with
@@ -446,6 +478,12 @@ def pick_budget(
     Measure what you serve: the same batch size, image size, dtype, attention implementation and, if you use it,
     `torch.compile`d model (warm-up then absorbs the compilation of each budget; raise `warmup` if a budget
     recompiles more than once).
+
+    VECA adds its `C` cores to every block, so at small images it can do more work than a dense ViT of the same size
+    (VECA-B/16 does more than DINOv3-B up to 384 px at C = 64, up to 160 px at C = 8: docs/budget_picker.md).
+    The choice reports every budget's FLOPs against that dense ViT (`flops_vs_dense`) and, with `dense_model` (e.g.
+    the DINOv3 model you would serve instead), its measured latency in the same rounds; a warning is logged when no
+    budget is cheaper than the dense model.
 
     Args:
         model (`nn.Module`):
@@ -467,9 +505,12 @@ def pick_budget(
             Untimed passes per budget.
         repeats (`int`, *optional*, defaults to 5):
             Timed passes per budget (the median is taken over them).
+        dense_model (`nn.Module`, *optional*):
+            A model taking `pixel_values` (e.g. a `DINOv3ViTModel`) to time against, on the same device, input and
+            rounds; `BudgetChoice.dense_latency_ms` then holds its median.
 
     Returns:
-        [`BudgetChoice`]: the chosen budget and the median latency of every budget.
+        [`BudgetChoice`]: the chosen budget, the median latency and the FLOP ratio to a dense ViT of every budget.
 
     Raises:
         `ValueError`: if even the fastest budget is slower than the target (the message gives the fastest measured
@@ -477,9 +518,16 @@ def pick_budget(
     """
     if not latency_target_ms > 0:
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms!r}.")
-    latencies_ms = time_budgets(model, image_size, batch_size, device, budgets, warmup, repeats)
+    latencies_ms = time_budgets(model, image_size, batch_size, device, budgets, warmup, repeats, dense_model)
+    dense_latency_ms = latencies_ms.pop("dense", None)
     height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     device = next(model.parameters()).device
+    config = veca_config(model)
+    dense_flops = dense_twin_model_flops(config, height, width)
+    flops_vs_dense = {
+        budget: veca_model_flops(config, height, width, num_core_tokens=budget) / dense_flops
+        for budget in latencies_ms
+    }
     fitting = [budget for budget, latency in latencies_ms.items() if latency <= latency_target_ms]
     if not fitting:
         fastest = min(latencies_ms, key=latencies_ms.get)
@@ -495,12 +543,24 @@ def pick_budget(
         image_size=(height, width),
         batch_size=batch_size,
         device=str(device),
+        flops_vs_dense=flops_vs_dense,
+        dense_latency_ms=dense_latency_ms,
     )
     measured = ", ".join(f"C={budget}: {ms:.1f} ms" for budget, ms in latencies_ms.items())
     logger.info(
         f"pick_budget: C={choice.num_core_tokens} is the largest budget within {latency_target_ms:g} ms per batch "
         f"of {batch_size} at {height}x{width} ({measured})."
     )
+    if not choice.budgets_cheaper_than_dense:
+        against = (
+            f"the dense model's {dense_latency_ms:.1f} ms"
+            if dense_latency_ms is not None
+            else f"the FLOPs of a dense ViT of the same size (fewest: {min(flops_vs_dense.values()):.2f}x)"
+        )
+        logger.warning(
+            f"pick_budget: no budget beats {against} at {height}x{width}: VECA's cores outweigh the attention it "
+            "saves at this image size. A dense model is the cheaper choice here, or use larger images."
+        )
     return choice
 
 

@@ -22,6 +22,7 @@ Only `torch` is imported here; configs are read by attribute.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "attention_block_flops",
     "count_flops",
     "count_training_flops",
+    "dense_twin_model_flops",
     "dinov3_model_flops",
     "dinov3_training_flops",
     "num_patches_for",
@@ -183,6 +185,33 @@ def dinov3_model_flops(config: Any, height: int, width: int, batch_size: int = 1
     attention = attention_block_flops(hidden_size, num_patches, num_prefix_tokens=num_prefix_tokens)
     mlp = (6 if getattr(config, "use_gated_mlp", False) else 4) * num_tokens * hidden_size * intermediate_size
     return batch_size * (patch_embedding + config.num_hidden_layers * (attention + mlp))
+
+
+def dense_twin_model_flops(config: VecaConfig, height: int, width: int, batch_size: int = 1) -> int:
+    """FLOPs of one forward of the dense ViT of VECA's size: the same width, depth, patch size and SwiGLU MLP, one CLS
+    token, no registers (`veca_hf.training.distillation.dense_student_config`), so that only the attention pattern
+    differs. Its MLP costs what DINOv3's GELU MLP of the same size costs (VECA-B: `6 T D 2048` against `4 T D 3072`):
+    the comparison [`veca_hf.budgets.pick_budget`] reports.
+
+    Args:
+        config (`VecaConfig`): The VECA model configuration.
+        height (`int`): Image height, a multiple of `config.patch_size`.
+        width (`int`): Image width, a multiple of `config.patch_size`.
+        batch_size (`int`, *optional*, defaults to 1): Every count scales linearly with it.
+
+    Returns:
+        `int`: the FLOPs (multiply-add = 2).
+    """
+    twin = SimpleNamespace(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        patch_size=config.patch_size,
+        num_channels=config.num_channels,
+        num_register_tokens=0,
+        use_gated_mlp=True,
+    )
+    return dinov3_model_flops(twin, height, width, batch_size)
 
 
 def count_flops(model: torch.nn.Module, pixel_values: torch.Tensor, **forward_kwargs) -> int:
