@@ -240,6 +240,13 @@ class DistillationArguments(SampledBudgetArguments):
             "the rest, one --learning_rate (pytorch-optimizer; not with DeepSpeed). See docs/training.md."
         },
     )
+    newton_schulz_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "NorMuon's Newton-Schulz iteration: auto (bfloat16, or float32 on a CPU without bf16 "
+            "instructions, where bf16 is ~10x slower) | bfloat16 | float32."
+        },
+    )
     weight_decay: float = 0.015
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -557,6 +564,7 @@ def build_optimization(model: torch.nn.Module, args):
         args.weight_decay,
         (args.adam_beta1, args.adam_beta2),
         args.adam_epsilon,
+        args.newton_schulz_dtype,
     )
     if args.optimizer == "normuon":
         hidden = optimizer_group_names(model, optimizer)[0]

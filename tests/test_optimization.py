@@ -109,6 +109,10 @@ def test_newton_schulz_runs_in_fp32_on_a_cpu_without_bf16_instructions(monkeypat
         assert newton_schulz_dtype("cpu") == expected
         assert build_optimizer(VecaModel(tiny_config()), "normuon", 1e-2).newton_schulz_dtype == expected
     assert newton_schulz_dtype("cuda") == torch.bfloat16
+    for asked, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):  # an explicit choice is kept
+        assert build_optimizer(VecaModel(tiny_config()), "normuon", newton_schulz=asked).newton_schulz_dtype == dtype
+    with pytest.raises(ValueError, match="'float16' is not one of auto, bfloat16, float32"):
+        build_optimizer(VecaModel(tiny_config()), "normuon", newton_schulz="float16")
 
 
 def test_the_newton_schulz_dtype_reaches_the_iteration():

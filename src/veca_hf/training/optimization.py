@@ -29,6 +29,7 @@ from transformers import (
 
 
 OPTIMIZERS = ("adamw", "normuon")
+NEWTON_SCHULZ_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # Parameters that must not be weight-decayed, by a component of their name (plus every 1-D tensor).
 NO_DECAY_NAMES = ("core_tokens", "core_coordinates", "step", "bias")
@@ -81,6 +82,7 @@ def build_optimizer(
     weight_decay: float = 0.015,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    newton_schulz: str = "auto",
 ) -> torch.optim.Optimizer:
     """
     The optimiser `name` (`"adamw"` or `"normuon"`) over `model`'s trainable parameters, as in the paper.
@@ -92,11 +94,15 @@ def build_optimizer(
         learning_rate (`float`): the peak learning rate of every group.
         weight_decay (`float`): decoupled weight decay, off for cores, coordinates, step scales, norms and biases.
         betas, eps: AdamW's (for the AdamW part).
+        newton_schulz (`str`, *optional*, defaults to `"auto"`): NorMuon's Newton-Schulz iteration dtype:
+            `"bfloat16"` (pytorch-optimizer's), `"float32"`, or `"auto"` ([`newton_schulz_dtype`] of the device).
 
     Returns:
         `torch.optim.Optimizer`; with `"normuon"` its groups carry `use_muon` (True for the hidden matrices).
     """
     check_optimizer_backend(name, uses_deepspeed=False)
+    if newton_schulz != "auto" and newton_schulz not in NEWTON_SCHULZ_DTYPES:
+        raise ValueError(f"newton_schulz {newton_schulz!r} is not one of auto, {', '.join(NEWTON_SCHULZ_DTYPES)}.")
     adamw_groups = get_parameter_groups(model, weight_decay)
     if name == "adamw":
         return torch.optim.AdamW(adamw_groups, lr=learning_rate, betas=betas, eps=eps)
@@ -115,9 +121,14 @@ def build_optimizer(
         rest = [p for p in group["params"] if id(p) not in hidden_ids]
         groups.append({**group, "params": rest, "use_muon": False, "betas": betas, "eps": eps})
     device = hidden[0].device if hidden else torch.device("cpu")
+    if newton_schulz == "bfloat16":  # as asked, with the slowdown said where bf16 is slow
+        from ..hardware import warn_if_slow_bf16
+
+        warn_if_slow_bf16(device, "NorMuon's Newton-Schulz iteration in bfloat16")
+    iteration_dtype = newton_schulz_dtype(device) if newton_schulz == "auto" else NEWTON_SCHULZ_DTYPES[newton_schulz]
     return normuon(
         groups,
-        newton_schulz_dtype=newton_schulz_dtype(device),
+        newton_schulz_dtype=iteration_dtype,
         lr=learning_rate,
         adamw_lr=learning_rate,
         ns_coeffs="polar_express",
@@ -216,6 +227,7 @@ def optimizer_group_names(model: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 __all__ = [
+    "NEWTON_SCHULZ_DTYPES",
     "NO_DECAY_NAMES",
     "OPTIMIZERS",
     "build_optimizer",
