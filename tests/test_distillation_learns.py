@@ -5,6 +5,9 @@ measure is independent of the training code: the frozen student's and teacher's 
 extracted with `veca_hf.evaluation.extract_features`, compared after subtracting each model's mean feature, so that
 only the image-to-image variation counts. The same run with a zero learning rate is the student at initialisation; a
 broken step (no update, a detached loss, targets taken from the wrong tokens) stays near it.
+
+Following the teacher is not yet usefulness; the last test checks the direction on a labelled probe: where the
+teacher's features carry a label and a random network's hardly do, the distilled student's must carry it too.
 """
 
 import importlib.util
@@ -136,3 +139,86 @@ def test_distillation_brings_heldout_features_towards_the_teacher(
     trained, initial = heldout_similarity(trained_dir, root / "teacher", heldout), initial_similarity
     assert learned(trained, initial), {name: (initial[name], trained[name]) for name in trained}
     assert not learned(initial, initial)  # a run that did not move fails the guard
+
+
+# The direction of learning: a short distillation must make the student's features more useful than its own
+# initialisation where the teacher's are. The teacher here is the tiny random DINOv3 with one thing added by hand: its
+# patch embedding is strongly sensitive to red minus green, so its features separate images by the colour of a square
+# that the label is about, while the scene around it (grey-blue backgrounds and distractors, red = green everywhere
+# else) dominates a random network's features. A k-NN probe (DINO's evaluation) reads each feature space's notion of
+# similarity directly: the teacher's finds the label, the random student's mostly finds the background.
+COLOUR_CONTRAST = 15  # grey levels the square's red and green move apart (seen: random 0.6-0.7, teacher 1.0)
+
+
+def labelled_scene(rng: np.random.Generator, label: int, size: int = 72) -> np.ndarray:
+    """A grey-blue scene (red = green) with a 28-px square that is slightly red (label 1) or slightly green (0)."""
+    y, x = np.mgrid[0:size, 0:size] / size
+
+    def ramp() -> np.ndarray:
+        return rng.uniform(30, 225) + rng.uniform(-50, 50) * (x * rng.uniform(-1, 1) + y * rng.uniform(-1, 1))
+
+    grey, blue = ramp(), ramp()
+    image = np.stack([grey, grey, blue], axis=-1)
+    for _ in range(rng.integers(1, 4)):
+        x0, y0 = rng.integers(0, size - 12, 2)
+        w, h = rng.integers(10, 36, 2)
+        grey_level, blue_level = rng.uniform(0, 255, 2)
+        image[y0 : y0 + h, x0 : x0 + w] = (grey_level, grey_level, blue_level)
+    x0, y0 = rng.integers(0, size - 28, 2)
+    shift = COLOUR_CONTRAST if label else -COLOUR_CONTRAST
+    image[y0 : y0 + 28, x0 : x0 + 28, 0] += shift
+    image[y0 : y0 + 28, x0 : x0 + 28, 1] -= shift
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def colour_workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("direction")
+    torch.manual_seed(0)
+    teacher = DINOv3ViTModel(tiny_dinov3_config())
+    with torch.no_grad():
+        weight = teacher.embeddings.patch_embeddings.weight  # (D, 3, 16, 16)
+        red_minus_green = torch.zeros(weight.shape[1:])
+        red_minus_green[0], red_minus_green[1] = 1.0, -1.0
+        direction = torch.randn(weight.shape[0])  # (D,)
+        gain = 20 / (direction.norm() * red_minus_green.norm())
+        weight.add_(gain * direction[:, None, None, None] * red_minus_green)
+    teacher.save_pretrained(root / "teacher")
+    tiny_config().save_pretrained(root / "student")
+    rng = np.random.default_rng(0)
+    (root / "images").mkdir()
+    for index in range(256):  # unlabelled, as distillation data is
+        Image.fromarray(labelled_scene(rng, int(rng.integers(0, 2)))).save(root / "images" / f"{index:03d}.png")
+    labels = rng.integers(0, 2, 200)  # held out: 100 references, 100 to classify
+    pixel_values = torch.stack([evaluation.preprocess_image(Image.fromarray(labelled_scene(rng, int(label))),
+                                                            RESOLUTION) for label in labels])  # fmt: skip
+    return root, pixel_values, torch.as_tensor(labels)
+
+
+@torch.no_grad()
+def knn_accuracies(model_dir: Path, pixel_values: torch.Tensor, labels: torch.Tensor, budgets) -> dict[str, float]:
+    """20-NN accuracy on the second half of the images with the first half as references, per budget and feature
+    (global; mean of the patches), features centred on the references' mean."""
+    from veca_hf.evaluation.knn import knn_classify
+
+    model, half = AutoModel.from_pretrained(model_dir).eval(), len(labels) // 2
+    accuracies = {}
+    for budget in budgets:
+        global_features, patches = evaluation.extract_features(model, pixel_values, budget)
+        for name, features in (("global", global_features), ("patches", patches.mean(dim=(1, 2)))):
+            features = features - features[:half].mean(0)
+            predicted = knn_classify(features[:half], labels[:half], features[half:], num_classes=2, k=20)
+            accuracies[f"{name} C={budget}"] = float((predicted == labels[half:]).float().mean())
+    return accuracies
+
+
+def test_distillation_makes_features_more_useful_than_the_initialisation(colour_workspace, tmp_path, monkeypatch):
+    root, pixel_values, labels = colour_workspace
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    teacher = knn_accuracies(root / "teacher", pixel_values, labels, budgets=[None])
+    assert min(teacher.values()) >= 0.95, teacher  # the task is one the teacher's features solve
+    initial = knn_accuracies(distill(root, tmp_path / "initial", 0.0, 2, monkeypatch), pixel_values, labels, (8, 16))
+    assert max(initial.values()) <= 0.85, initial  # ... and a random student's do not
+    trained = knn_accuracies(distill(root, tmp_path / "trained", 3e-3, 40, monkeypatch), pixel_values, labels, (8, 16))
+    gains = {name: trained[name] - initial[name] for name in trained}
+    assert min(gains.values()) >= 0.15, {name: (initial[name], trained[name]) for name in trained}
