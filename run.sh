@@ -2,6 +2,7 @@
 # One entry point that does all set-up on a fresh machine, then runs a job.
 #   bash run.sh            the main job (a small offline distillation on embedded defaults, then a probe of it)
 #   bash run.sh test       the test suite (what CI runs)
+#   bash run.sh test-quick the tests that start no process, server or browser (a few minutes)
 #   bash run.sh lint       ruff check and ruff format --check (CI runs it before the tests)
 # Extra arguments are passed to the job (pytest flags for `test`).
 set -euo pipefail
@@ -38,6 +39,10 @@ case "$job" in
         fi
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
+    test-quick)
+        export HF_HUB_OFFLINE=1
+        exec "$VENV/bin/python" -m pytest -q -m "not processes and not slow" "$@"
+        ;;
     lint)
         "$VENV/bin/ruff" check . "$@"
         exec "$VENV/bin/ruff" format --check .
@@ -60,7 +65,7 @@ case "$job" in
         exec "$VENV/bin/python" -m veca_hf.demo probe examples/configs/demo_cpu.yaml
         ;;
     *)
-        echo "unknown job '$job': use 'bash run.sh' (main job), 'bash run.sh test' or 'bash run.sh lint'" >&2
+        echo "unknown job '$job': use 'bash run.sh' (main job), 'bash run.sh test', 'bash run.sh test-quick' or 'bash run.sh lint'" >&2
         exit 2
         ;;
 esac

@@ -1,8 +1,12 @@
 """Shared fixtures: tiny VECA configs, a tiny DINOv3 teacher, generated images. Nothing touches the network."""
 
+import contextlib
 import gzip
+import multiprocessing.process
 import os
+import socket
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +24,31 @@ from veca_hf import VecaConfig  # noqa: E402
 
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+# The quick tier (`bash run.sh test-quick`) leaves out the tests marked `processes`: those that start a process, a
+# server or a browser. The mark is kept true here: an unmarked test (its fixtures included) that starts one fails.
+@contextlib.contextmanager
+def _refusing_processes(nodeid: str):
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"{nodeid} starts {what}: mark it `@pytest.mark.processes` (test-quick leaves it out).")
+
+        return refused
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse("a process (subprocess)"))
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse("a process (multiprocessing)"))
+        patch.setattr(socket.socket, "listen", refuse("a server (socket.listen)"))
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("processes"):
+        return (yield)
+    with _refusing_processes(item.nodeid):
+        return (yield)
 
 
 def tiny_config(**overrides) -> VecaConfig:

@@ -66,6 +66,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="the settings are glibc's"
 )

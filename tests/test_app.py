@@ -150,6 +150,7 @@ def test_write_space_refuses_a_folder_it_did_not_write(tmp_path):
     assert (app.write_space(str(empty), "org/veca-b16", None) / app.SPACE_SETTINGS).is_file()
 
 
+@pytest.mark.processes
 def test_a_space_rewritten_by_its_own_app_keeps_its_package(tmp_path):
     space = load_app().write_space(str(tmp_path / "space"), "org/veca-b16", None)
     command = [sys.executable, str(space / "app.py"), "--write_space", str(space), "--model_name_or_path", "org/b"]
@@ -186,6 +187,7 @@ def test_the_page_hands_over_uploads_undecoded_and_cleans_its_cache(tmp_path, mo
         upload.preprocess(FileData(path=str(bomb), orig_name="bomb.png"))
 
 
+@pytest.mark.processes
 def test_the_app_answers_over_loopback_for_two_budgets(served, tmp_path):
     from gradio_client import Client, handle_file
 
@@ -221,6 +223,7 @@ def chromium() -> str:
     return path
 
 
+@pytest.mark.processes
 def test_a_real_browser_uploads_a_photo_and_turns_the_dial(served, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 

@@ -354,6 +354,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_trust_remote_code_without_package(tmp_path):
     folder = tmp_path / "veca-tiny"
     model = VecaForImageClassification(classification_config()).eval()

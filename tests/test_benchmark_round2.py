@@ -58,6 +58,7 @@ def train_run(tmp_path_factory):
     return json.loads((output_dir / "results.json").read_text()), completed.stdout
 
 
+@pytest.mark.processes
 def test_train_mode_counts_training_flops(train_run):
     result, stdout = train_run
     from veca_hf import VecaConfig
@@ -92,6 +93,7 @@ def test_train_mode_counts_training_flops(train_run):
     assert result["machine"]["cpu_kind"] == cpu_kind() == result["machine"]["bf16"]["cpu_kind"]
 
 
+@pytest.mark.processes
 def test_train_mode_paired_ratios_are_medians_of_per_round_ratios(train_run):
     result, _ = train_run
     points = {(p["resolution"], p["label"]): p for p in result["points"]}
@@ -140,6 +142,7 @@ def test_counted_training_flops_equal_three_forwards_minus_patch_embedding(budge
         assert counted == veca_training_flops(config, 64, 96, budget, batch_size=2)
 
 
+@pytest.mark.processes
 def test_train_mode_rejects_bf16_weights():
     completed = subprocess.run([sys.executable, str(BENCHMARKS / "scaling.py"), "--mode", "train", "--dtype", "bf16"],
                                cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -171,6 +174,7 @@ def test_largest_resolution_extrapolates_at_least_linearly():
     assert entry == {"resolution": 512, "extrapolated": False, "note": "measured: 1024 px did not fit or failed"}
 
 
+@pytest.mark.processes
 def test_memory_mode_reports_positive_peaks_and_slopes(tmp_path):
     run_script("memory_scaling.py", "--tiny", "--resolutions", "64,128", "--train_resolutions", "64,96",
                "--threads", "1", "--fit_min_patches", "1", "--output_dir", str(tmp_path))  # fmt: skip
@@ -189,6 +193,7 @@ def test_memory_mode_reports_positive_peaks_and_slopes(tmp_path):
 # --- precision_check.py, distill_step.py ---------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("inputs", ["noise", "images"])
 def test_precision_check_reports_cosines(tmp_path, inputs):
     output = tmp_path / "precision.json"
@@ -221,6 +226,7 @@ def test_precision_check_images_dir_with_too_few_images_names_the_fix(tmp_path):
     assert processor_input.shape == (1, 3, 32, 32)
 
 
+@pytest.mark.processes
 def test_distill_step_breakdown_and_paired_ratios(tmp_path):
     run_script("distill_step.py", "--tiny", "--resolutions", "64", "--batch_size", "2", "--budgets", "8,16",
                "--warmup", "0", "--repeats", "3", "--threads", "1", "--teacher_dtype", "bf16",
@@ -238,6 +244,7 @@ def test_distill_step_breakdown_and_paired_ratios(tmp_path):
         assert p["images_per_s"] == pytest.approx(2 / statistics.median(samples))
 
 
+@pytest.mark.processes
 def test_feature_extraction_pipeline_loop_and_model_agree(tmp_path):
     run_script("feature_extraction.py", "--tiny", "--resolutions", "64", "--batch_sizes", "2", "--budgets", "8,16",
                "--num_images", "4", "--rounds", "2", "--image_size", "96x80", "--threads", "1",
@@ -256,6 +263,7 @@ def test_feature_extraction_pipeline_loop_and_model_agree(tmp_path):
     assert "| 64 | 2 | VECA C=16 |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.processes
 def test_research_form_computes_veca_and_is_timed_in_pairs(tmp_path):
     run_script("research_form.py", "--tiny", "--resolutions", "64,96", "--budget", "16", "--warmup", "0",
                "--repeats", "3", "--threads", "1", "--output_dir", str(tmp_path))  # fmt: skip
@@ -268,6 +276,7 @@ def test_research_form_computes_veca_and_is_timed_in_pairs(tmp_path):
         assert point["paired_ratio"] == pytest.approx(_paired(veca, research), rel=1e-12)
 
 
+@pytest.mark.processes
 def test_research_form_times_training_steps_under_autocast(tmp_path):
     run_script("research_form.py", "--tiny", "--num_hidden_layers", "1", "--mode", "train", "--dtype",
                "bf16_autocast", "--resolutions", "64", "--budget", "16", "--warmup", "1", "--repeats", "2",
@@ -280,6 +289,7 @@ def test_research_form_times_training_steps_under_autocast(tmp_path):
     assert "1 blocks, cpu, bf16_autocast, training step" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("backward", [False, True])
 def test_attention_kernels_agree_and_are_timed_in_pairs(tmp_path, backward):
     run_script("attention_kernels.py", "--tiny", "--resolutions", "64", "--budgets", "8", "--dtypes", "fp32,bf16",
@@ -301,6 +311,7 @@ def test_attention_kernels_agree_and_are_timed_in_pairs(tmp_path, backward):
     assert f"| bf16 | 64 | {num_patches} | 8 | patches | {num_patches} x 8 |" in markdown
 
 
+@pytest.mark.processes
 def test_attention_kernels_rejects_unknown_dtype():
     completed = subprocess.run([sys.executable, str(BENCHMARKS / "attention_kernels.py"), "--dtypes", "fp16"],
                                cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -330,6 +341,7 @@ def test_cpu_bf16_support_flags_only():
         assert info["fast_bf16"] == bool({"avx512_bf16", "amx_bf16"} & set(info["flags"]))
 
 
+@pytest.mark.processes
 def test_int8_check_times_compares_and_probes_every_candidate(tmp_path):
     pytest.importorskip("onnxruntime")
     from conftest import tiny_config
@@ -376,10 +388,12 @@ def test_int8_check_times_compares_and_probes_every_candidate(tmp_path):
 # --- gpu_check.sh --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_gpu_check_parses():
     assert subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_check.sh")]).returncode == 0
 
 
+@pytest.mark.processes
 def test_gpu_check_dry_run(tmp_path):
     """Every stage at tiny sizes on CPU; the DeepSpeed stages are skipped with their reason (no CUDA here)."""
     if torch.cuda.is_available():
@@ -400,6 +414,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert "| stage | status |" in completed.stdout
 
 
+@pytest.mark.processes
 def test_dataset_embedding_times_the_script_the_model_and_the_data(tmp_path):
     run_script("dataset_embedding.py", "--tiny", "--resolutions", "64", "--dtypes", "fp32", "--processes", "1",
                "--num_images", "4", "--batch_size", "2", "--workers", "0", "--budgets", "8,16", "--threads", "1",

@@ -47,6 +47,7 @@ def tiny_run(tmp_path_factory):
     return output_dir, completed.stdout
 
 
+@pytest.mark.processes
 def test_outputs_written(tiny_run):
     output_dir, stdout = tiny_run
     for name in ("results.json", "results.md", "latency_vs_resolution.png", "flops_vs_resolution.png"):
@@ -59,6 +60,7 @@ def test_outputs_written(tiny_run):
     assert "Summary" in stdout and "VECA/DINOv3 latency ratio" in stdout
 
 
+@pytest.mark.processes
 def test_every_point_counted_equals_analytic(tiny_run):
     output_dir, _ = tiny_run
     result = json.loads((output_dir / "results.json").read_text())
@@ -94,6 +96,7 @@ def _paired(numerators, denominators):
     return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
 
 
+@pytest.mark.processes
 def test_paired_ratios_are_medians_of_per_round_ratios(tiny_run):
     output_dir, _ = tiny_run
     result = json.loads((output_dir / "results.json").read_text())
@@ -116,6 +119,7 @@ def test_paired_ratios_are_medians_of_per_round_ratios(tiny_run):
             assert entry[f"{key}_paired_per_token_latency_ratio"] == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.processes
 def test_json_metadata_and_summary(tiny_run):
     output_dir, _ = tiny_run
     result = json.loads((output_dir / "results.json").read_text())
@@ -163,6 +167,7 @@ def test_block_inputs_match_paper_table_on_meta():
     assert round(scaling_cases.count_call(lambda: dinov3_block(*dense_args, **dense_kwargs)) / 1e9, 3) == 71.016
 
 
+@pytest.mark.processes
 def test_compiled_models_are_timed_with_one_graph_each(tmp_path):
     """`--compile` wraps both models in `torch.compile(dynamic=True)` (here with the cheap `eager` backend)."""
     command = [

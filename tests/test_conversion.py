@@ -63,6 +63,7 @@ def test_converted_model_equals_the_dense_masked_reference_for_every_budget(heig
         torch.testing.assert_close(outputs.pooler_output, expected_global, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.processes
 def test_cli_writes_a_complete_folder(tmp_path):
     output_dir = tmp_path / "converted"
     result = subprocess.run(

@@ -25,6 +25,7 @@ def load_arms():
     return module
 
 
+@pytest.mark.processes
 def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, tmp_path, monkeypatch, capsys):  # noqa: F811
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -42,6 +42,7 @@ def study_inputs(tmp_path_factory):
     return root
 
 
+@pytest.mark.processes
 def test_smoke_study_writes_table_targets_and_plot_and_resumes(study_inputs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

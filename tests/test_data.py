@@ -440,6 +440,7 @@ def _worker_batches(stream, **kwargs):
     return list(loader)
 
 
+@pytest.mark.processes
 def test_dataloader_workers_single_shard_folder(image_folder):
     """A streamed folder is one shard: both workers walk it and each decodes every other example."""
     dataset = _load(str(image_folder))
@@ -459,6 +460,7 @@ def test_dataloader_workers_single_shard_folder(image_folder):
     assert sorted(next(i for i, y in enumerate(single) if torch.equal(x, y)) for x in multi) == list(range(12))
 
 
+@pytest.mark.processes
 def test_dataloader_workers_whole_shards(parquet_folder):
     dataset = _load(str(parquet_folder))
     assert dataset.num_shards == 4
@@ -519,6 +521,7 @@ def _same_batches(expected: list[dict], actual: list[dict]) -> None:
         )
 
 
+@pytest.mark.processes
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-core machine
 @pytest.mark.parametrize(
     "source, num_workers, batch_size",
@@ -556,6 +559,7 @@ def test_resume_skips_consumed_samples_and_continues_exactly(request, source, nu
         _same_batches(full[consumed:], batches(skip)[discard:])
 
 
+@pytest.mark.processes
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_infinite_batches_resume_from_a_saved_position_across_epochs(parquet_folder, num_workers):
@@ -609,6 +613,7 @@ def row_group_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.processes
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on a 2-core machine
 @pytest.mark.parametrize("world_size, rank, num_workers", [(1, 0, 0), (2, 1, 0), (1, 0, 2), (2, 0, 3)])
 def test_position_twin_streams_in_the_real_order(row_group_folder, world_size, rank, num_workers):
@@ -700,6 +705,7 @@ def test_resume_plan():
         resume_plan([1, 1], 2, 4)
 
 
+@pytest.mark.processes
 def test_persistent_workers_follow_set_epoch(parquet_folder):
     dataset = _load(str(parquet_folder))
     stream = _stream(dataset, train=False)

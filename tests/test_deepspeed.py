@@ -33,15 +33,27 @@ def run_steps(stage: int, output_dir: Path) -> dict:
     return json.loads((output_dir / "result.json").read_text())
 
 
+class StageResults(dict):
+    """Each stage's run, made once per module: by its own test, or on first use by the comparison."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, stage: int) -> dict:
+        self[stage] = run_steps(stage, self.tmp_path_factory.mktemp(f"zero{stage}"))
+        return self[stage]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[int, dict]:
-    return {}
+def results(tmp_path_factory) -> StageResults:
+    return StageResults(tmp_path_factory)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_training_steps_save_and_reload(stage, results, tmp_path):
-    result = run_steps(stage, tmp_path)
-    results[stage] = result
+def test_zero_training_steps_save_and_reload(stage, results):
+    result = results[stage]
     assert result["world_size"] == 2
     assert len(result["losses"]) == 3 and all(loss == loss and loss < 1e6 for loss in result["losses"])
     assert result["parameters_not_moved"] == []  # every parameter trained (the budget-32 step used every chunk)
@@ -56,14 +68,14 @@ def test_zero_training_steps_save_and_reload(stage, results, tmp_path):
         assert result["zero3_reload_partitioned"] and result["zero3_reload_equal"]
 
 
+@pytest.mark.processes
 def test_zero3_trains_like_zero2(results):
     """Same seed, same data: the ZeRO-3 model (initialised on rank 0 under zero.Init, then broadcast) follows the
     ZeRO-2 one."""
-    if set(results) != {2, 3}:
-        pytest.skip("needs both stages' runs")
     assert results[3]["losses"] == pytest.approx(results[2]["losses"], rel=1e-4)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_checkpoints_restore_as_data_and_a_planted_pickle_never_runs(stage, tmp_path):
     """DeepSpeed's engine loads its files with a full unpickle; `load_checkpoint` checks each one first and forces

@@ -293,6 +293,7 @@ def test_offline_photos_is_an_imagefolder(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_the_core_needs_no_demo_dependency():
     """Importing the package, the teacher check and the demo itself imports none of the `demo` extra's packages."""
     code = (

@@ -433,6 +433,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.processes
 def test_dense_heads_load_with_trust_remote_code(tmp_path):
     model = VecaForSemanticSegmentation(tiny_config(num_labels=3)).eval()
     model.save_pretrained(tmp_path / "folder")

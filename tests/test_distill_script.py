@@ -103,6 +103,7 @@ def first_log_line(result: subprocess.CompletedProcess) -> str:
     return next(line for line in result.stderr.splitlines() if " __main__: " in line)
 
 
+@pytest.mark.processes
 def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tmp_path):
     output_dir = tmp_path / "run"
     # 6 steps x 4 images > the 21 training files: the whole first epoch, corrupt file included, is read.
@@ -132,6 +133,7 @@ def test_single_process_run_trains_validates_checkpoints_and_saves(workspace, tm
     assert str(workspace) not in card.text  # a public card names no path of this machine
 
 
+@pytest.mark.processes
 def test_two_processes_stream_disjoint_data_skip_a_non_finite_step_together_and_save(workspace, tmp_path):
     """Also a fault: the teacher's output is NaN on rank 1 at step 1 (a test hook); both ranks skip that update."""
     output_dir = tmp_path / "ddp"
@@ -183,6 +185,7 @@ def assert_same_final_weights(reference_dir: Path, resumed_dir: Path) -> None:
     assert not list((resumed_dir / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.processes
 def test_a_rank_dies_and_the_elastic_launcher_restarts_the_group_which_resumes_exactly(workspace, tmp_path):
     """`accelerate launch --max_restarts 1`: rank 1 is SIGKILLed once checkpoint-2 is complete; torchrun restarts
     both processes, they form a new group (`join_restarted_group`), resume from checkpoint-2 and end with the weights
@@ -213,6 +216,7 @@ def start_when_checkpoint_2_exists(command: list[str], output_dir: Path, **popen
     return process
 
 
+@pytest.mark.processes
 def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path, uninterrupted_run):
     steps, resumed_dir = INTERRUPTED_RUN, tmp_path / "killed"
 
@@ -228,6 +232,7 @@ def test_killed_run_resumes_to_the_same_weights(workspace, tmp_path, uninterrupt
     assert_same_final_weights(uninterrupted_run, resumed_dir)
 
 
+@pytest.mark.processes
 def test_sigterm_writes_a_checkpoint_exits_143_and_resumes_to_the_same_weights(workspace, tmp_path, uninterrupted_run):
     """Preemption as SLURM does it: SIGTERM to the whole process group (the DataLoader workers too)."""
     resumed_dir = tmp_path / "preempted"
@@ -247,6 +252,7 @@ def test_sigterm_writes_a_checkpoint_exits_143_and_resumes_to_the_same_weights(w
     assert_same_final_weights(uninterrupted_run, resumed_dir)
 
 
+@pytest.mark.processes
 def test_resume_never_runs_code_planted_in_a_checkpoint(workspace, tmp_path):
     """The audit's reproduction: a pickle whose unpickling runs code, written as the scheduler's
     `custom_checkpoint_0.pkl` with the manifest rewritten, is refused by name and its code never runs; the schedule
@@ -275,6 +281,7 @@ def test_resume_never_runs_code_planted_in_a_checkpoint(workspace, tmp_path):
     assert f"Refusing to resume from {checkpoint}: custom_checkpoint_0.pkl would run code to load" in result.stderr
 
 
+@pytest.mark.processes
 def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
     command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "bad", budgets="8,12")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
@@ -282,6 +289,7 @@ def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
     assert "--budgets entry=12 is not a valid budget" in result.stderr
 
 
+@pytest.mark.processes
 def test_hub_model_id_without_push_to_hub_is_refused_before_any_work(workspace, tmp_path):
     command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "hub", hub_model_id="me/veca")
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
@@ -290,6 +298,7 @@ def test_hub_model_id_without_push_to_hub_is_refused_before_any_work(workspace, 
     assert not (tmp_path / "hub").exists()
 
 
+@pytest.mark.processes
 def test_dense_student_sees_the_same_data_and_saves_a_dinov3_model(workspace, tmp_path):
     """The attention-pattern control, chosen by its config: same stream, steps and loss as VECA, a `DINOv3ViTModel`
     saved at the end."""
@@ -311,6 +320,7 @@ def test_dense_student_sees_the_same_data_and_saves_a_dinov3_model(workspace, tm
     assert sources[0] == sources[1] and len(sources[0].splitlines()) == 3 * 4
 
 
+@pytest.mark.processes
 def test_a_student_config_of_another_model_fails_with_a_clear_message(workspace, tmp_path):
     ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path / "vit")
     command = [sys.executable, str(SCRIPT)] + distill_args(
@@ -328,6 +338,7 @@ def without(args: list[str], *flags: str) -> list[str]:
     return [item for flag, value in pairs if flag not in flags for item in (flag, value)]
 
 
+@pytest.mark.processes
 def test_launcher_mixed_precision_is_used_unless_the_flag_is_given(workspace, tmp_path):
     """`accelerate launch --mixed_precision bf16` (or its config file) sets ACCELERATE_MIXED_PRECISION: it wins over
     the script's default, and an explicit --mixed_precision wins over it; the first log line says which is used."""
@@ -346,6 +357,7 @@ def test_launcher_mixed_precision_is_used_unless_the_flag_is_given(workspace, tm
     assert first_log_line(result).endswith("Mixed precision: no; 1 process(es) on cpu.")
 
 
+@pytest.mark.processes
 def test_default_budgets_cover_a_custom_core_bank(workspace, tmp_path):
     """A student with 16 cores (not the presets' 64) trains with no budget flags: budgets 8 and 16."""
     assert VecaConfig.from_pretrained(workspace / "student").core_bank_size == 16
@@ -360,6 +372,7 @@ def test_default_budgets_cover_a_custom_core_bank(workspace, tmp_path):
     assert set(json.loads((output_dir / "distill_results.json").read_text())["validation"]) == {"8", "16"}
 
 
+@pytest.mark.processes
 def test_teacher_that_cannot_be_loaded_is_an_error_unless_the_fallback_is_asked_for(workspace, tmp_path):
     args = distill_args(
         workspace,
@@ -391,6 +404,7 @@ def test_teacher_that_cannot_be_loaded_is_an_error_unless_the_fallback_is_asked_
     assert json.loads((tmp_path / "run" / "distill_results.json").read_text())["step"] == 1
 
 
+@pytest.mark.processes
 def test_held_out_split_taking_every_image_says_so(workspace, tmp_path):
     result = run_distill(distill_args(workspace, tmp_path / "run", validation_size=100), check=False)
     assert result.returncode != 0
@@ -398,6 +412,7 @@ def test_held_out_split_taking_every_image_says_so(workspace, tmp_path):
     assert "Lower --validation_size, or pass --validation_split" in result.stderr
 
 
+@pytest.mark.processes
 def test_a_failing_run_with_dataloader_workers_exits_instead_of_hanging(workspace, tmp_path):
     """DataLoader workers ignore SIGTERM (for SLURM), so a run that raises must shut them down itself: otherwise
     multiprocessing's exit hook terminates them with SIGTERM and waits for them forever. Here the teacher's output
@@ -407,6 +422,7 @@ def test_a_failing_run_with_dataloader_workers_exits_instead_of_hanging(workspac
     assert result.returncode != 0 and "NonFiniteStepsError" in result.stderr
 
 
+@pytest.mark.processes
 def test_rerunning_a_finished_run_keeps_its_validation(workspace, tmp_path):
     """Resumed from its last checkpoint, a finished run trains no step but still validates the student it saves."""
     args = distill_args(workspace, tmp_path / "finished", max_train_steps=2, resume_from_checkpoint="latest")
@@ -419,6 +435,7 @@ def test_rerunning_a_finished_run_keeps_its_validation(workspace, tmp_path):
         assert again["validation"][budget]["loss"] == pytest.approx(terms["loss"], rel=1e-5)
 
 
+@pytest.mark.processes
 def test_normuon_run_logs_its_split_and_resumes_exactly(workspace, tmp_path):
     """The paper's recipe end to end: NorMuon + AdamW, the teacher's patch embedding, warm-up from the minimum; a run
     resumed from its step-2 checkpoint (optimiser state included) ends with the uninterrupted run's weights."""
@@ -449,6 +466,7 @@ def test_normuon_run_logs_its_split_and_resumes_exactly(workspace, tmp_path):
                            full["encoder.layer.0.attention.qkv_proj.weight"])  # fmt: skip
 
 
+@pytest.mark.processes
 def test_normuon_under_ddp_keeps_replicas_equal_and_skips_a_non_finite_step(workspace, tmp_path):
     output_dir = tmp_path / "ddp-normuon"
     launcher = two_cpu_processes(29534)
@@ -463,6 +481,7 @@ def test_normuon_under_ddp_keeps_replicas_equal_and_skips_a_non_finite_step(work
     assert all(torch.isfinite(value).all() for value in load_file(output_dir / "model.safetensors").values())
 
 
+@pytest.mark.processes
 def test_start_from_a_saved_student(workspace, tmp_path):
     """Stage 2 starts from stage 1's folder: with a zero learning rate the weights come out as they went in, and the
     patch embedding is not replaced by the teacher's under `auto`."""
@@ -568,6 +587,7 @@ def test_the_demo_config_starts_over_each_time():
     assert args.overwrite_output_dir and args.resume_from_checkpoint is None
 
 
+@pytest.mark.processes
 def test_a_new_run_never_deletes_another_runs_checkpoints(workspace, tmp_path):
     """Another run left checkpoint-4 and checkpoint-6 (limit 2); a new run there would save checkpoint-2 and rotate it
     away at once, then replace the others: it stops before any work, unless --overwrite_output_dir."""

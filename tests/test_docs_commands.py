@@ -232,6 +232,7 @@ def _in_process_main(words: list[str]):
     return main, argv
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("key", sorted(RUN), ids=lambda key: f"{key[0]}:{key[1]}")
 def test_docs_command_runs_as_written(key, workspace, monkeypatch):
     command = doc_commands()[key]
@@ -245,8 +246,7 @@ def test_docs_command_runs_as_written(key, workspace, monkeypatch):
     program = [sys.executable, *words[1:]] if words[0] == "python" else words
     if words[0] == "veca-convert":  # the console script that `pip install` writes, beside this Python
         program = [str(Path(sys.executable).parent / words[0]), *words[1:]]
-        if not Path(program[0]).exists():
-            pytest.skip(f"{words[0]} is not installed beside {sys.executable}")
+        assert Path(program[0]).exists(), f"{words[0]} is not installed beside {sys.executable}: pip install -e ."
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(program, capture_output=True, text=True, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]

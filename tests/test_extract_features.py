@@ -114,6 +114,7 @@ def run_script(args: list[str], launcher=None, faults: dict | None = None, check
     return result
 
 
+@pytest.mark.processes
 def test_two_processes_embed_every_image_once_as_a_direct_forward_does(model_dir, image_folder, tmp_path):
     root, names = image_folder
     output_dir = tmp_path / "embeddings"
@@ -140,6 +141,7 @@ def test_two_processes_embed_every_image_once_as_a_direct_forward_does(model_dir
     assert "Embedded 21 images (2 skipped" in result.stderr
 
 
+@pytest.mark.processes
 def test_killed_while_writing_the_same_command_finishes_with_the_same_rows(model_dir, parquet_shards, tmp_path):
     args = ["--model_name_or_path", model_dir, "--dataset_name", parquet_shards, "--rows_per_file", "3",
             "--per_device_eval_batch_size", "2", "--dataloader_num_workers", "2",
@@ -170,6 +172,7 @@ def test_killed_while_writing_the_same_command_finishes_with_the_same_rows(model
     assert metadata["num_files"] == 8 and (output_dir / ".progress" / "part-00001-00002.json").exists()
 
 
+@pytest.mark.processes
 def test_remote_shards_over_a_flaky_server_give_the_rows_of_local_ones(model_dir, parquet_shards, tmp_path):
     args = ["--model_name_or_path", model_dir, "--rows_per_file", "4", "--dataloader_num_workers", "0",
             "--stream_retries", "5", "--stream_retry_wait", "0.1"]  # fmt: skip

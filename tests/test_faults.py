@@ -112,6 +112,7 @@ def _two_process_agreement():
     assert _guarded_step(accelerator, model, optimizer, guard, [torch.zeros(3)]).applied
 
 
+@pytest.mark.processes
 def test_all_processes_agree_to_skip_and_to_stop():
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -146,6 +146,7 @@ def finetuned(tmp_path_factory) -> Path:
     return output_dir
 
 
+@pytest.mark.processes
 def test_script_writes_accuracy_per_budget(finetuned):
     results = json.loads((finetuned / "all_results.json").read_text())
     for budget in (8, 16):
@@ -155,6 +156,7 @@ def test_script_writes_accuracy_per_budget(finetuned):
     assert (finetuned / "train_results.json").is_file() and (finetuned / "eval_results.json").is_file()
 
 
+@pytest.mark.processes
 def test_script_saves_a_model_with_label_maps(finetuned):
     model = AutoModelForImageClassification.from_pretrained(finetuned)
     assert isinstance(model, VecaForImageClassification)
@@ -167,6 +169,7 @@ def test_script_saves_a_model_with_label_maps(finetuned):
         assert model(torch.randn(1, 3, 64, 64)).logits.shape == (1, 3)
 
 
+@pytest.mark.processes
 def test_script_writes_a_model_card_with_accuracy_per_budget(finetuned):
     card = ModelCard.load(finetuned / "README.md")
     assert card.data.pipeline_tag == "image-classification" and card.data.library_name == "transformers"
@@ -178,6 +181,7 @@ def test_script_writes_a_model_card_with_accuracy_per_budget(finetuned):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_a_script_without_do_train_or_do_eval_stops_instead_of_doing_nothing(tmp_path, monkeypatch):
     """`TrainingArguments` defaults both to False: the README's command once exited 0 having written nothing."""
     from veca_hf.training.trainer import parse_finetuning_args

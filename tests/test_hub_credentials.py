@@ -68,6 +68,7 @@ def script_arguments(name: str, root: Path, request) -> list[str]:
     return [*model, "--dataset_name", str(data), *output, *COMMON, "--num_core_tokens", "8", *ONE_STEP]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_hub_token_reaches_the_hub_only_in_the_authorization_header(name, hub, tmp_path, request):
     """The script pushes to the fake Hub with `--hub_token`: the commit (with the weights) is authenticated by the

@@ -258,6 +258,7 @@ def test_torchvision_same_defaults_and_config(processor, torchvision_processor, 
     assert (slow - tv).abs().max() <= PIL_VS_TORCHVISION_ATOL
 
 
+@pytest.mark.processes
 def test_base_install_without_torchvision(processor, tmp_path):
     """`pip install veca_hf` has no torchvision: the package imports, the PIL processor works (also as a lone file),
     `AutoImageProcessor` picks it, and the torchvision processor says what is missing."""

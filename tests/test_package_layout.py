@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import tiny_config
 
 from veca_hf import VecaImageProcessor, VecaModel
@@ -53,6 +54,7 @@ def test_the_files_marked_travels_are_those_a_saved_folder_carries(tmp_path):
     assert {path.name for path in tmp_path.glob("*.py")} == travels
 
 
+@pytest.mark.processes
 def test_the_converter_and_the_budgets_load_no_trainer_and_no_distillation():
     check = (
         "import sys, veca_hf.model.convert_veca_original, veca_hf.budgets, veca_hf.model_card; "

@@ -102,6 +102,7 @@ def shards(tmp_path_factory):
     return folder
 
 
+@pytest.mark.processes
 def test_retried_reads_yield_the_bytes_of_clean_reads(shards):
     """503 when opening, a dropped connection, a 503 and a stalled response while reading: the same bytes, in order."""
 
@@ -133,6 +134,7 @@ def _bytes_served(requests) -> int:
     return total
 
 
+@pytest.mark.processes
 def test_a_resumed_epoch_reads_only_the_row_groups_it_still_needs(shards):
     """Resumed near the end of an epoch, the stream yields the rest exactly and downloads a fraction of the shards:
     consumed row groups (out of the shuffle buffer) are not read again, only the footers and what is still to come."""
@@ -182,6 +184,7 @@ def _keep_retry_config(monkeypatch):
             monkeypatch.setattr(datasets.config, name, getattr(datasets.config, name))
 
 
+@pytest.mark.processes
 def test_finding_every_shard_is_retried_like_a_read(shards, caplog):
     """Two 503s for every shard's first requests (fsspec's HEAD, then its GET): each file is found again after a
     logged retry, and the data is complete; a shard that never answers stops with a ConnectionError naming it."""
@@ -200,6 +203,7 @@ def test_finding_every_shard_is_retried_like_a_read(shards, caplog):
     assert server.url("train-00003.parquet") in str(gone.value) and "--stream_retries" in str(gone.value)
 
 
+@pytest.mark.processes
 def test_a_missing_shard_fails_at_once_naming_it(shards):
     """A 404 is not a passing fault: no retries (20 attempts 1 s apart would take minutes), a ValueError naming
     the missing shards and what to check."""
@@ -268,6 +272,7 @@ def credential_files(tmp_path_factory):
     return folder
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("form", list(CREDENTIALS))
 def test_credentials_in_urls_reach_no_log_error_or_sample_source(credential_files, form, caplog, monkeypatch):
     """Shard URLs with a password or a signature, served by a server that refuses requests without it: the data
@@ -304,6 +309,7 @@ def test_credentials_in_urls_reach_no_log_error_or_sample_source(credential_file
         assert SECRET not in "".join(traceback.format_exception(error))
 
 
+@pytest.mark.processes
 def test_remote_images_are_read_with_their_credentials_and_sourced_without(credential_files):
     """An image folder by URLs with a password: each image is read with it, its source is the redacted URL."""
     with ShardServer(credential_files, **CREDENTIALS["userinfo"]) as server:
@@ -344,6 +350,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_retrying_worker_exits_when_its_parent_is_killed(shards, tmp_path):
     """A DataLoader worker retrying reads against a server that answers only 503 (for minutes: 50 attempts 2 s apart)
@@ -404,6 +411,7 @@ def assert_same_weights(first, second):
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) == 0.0
 
 
+@pytest.mark.processes
 def test_a_flaky_server_trains_the_same_weights(workspace, shards, clean_run, tmp_path):  # noqa: F811
     faults = {"/train-00001.parquet": ["drop"], "/train-00002.parquet": ["503"], "/train-00003.parquet": ["stall"]}
     with ShardServer(shards, faults=faults, stall_seconds=2.5) as server:
@@ -416,6 +424,7 @@ def test_a_flaky_server_trains_the_same_weights(workspace, shards, clean_run, tm
         assert any(f"{server.url(name)}.parquet" in line for line in retries), (name, retries)
 
 
+@pytest.mark.processes
 def test_a_503_on_first_contact_with_every_shard_trains_the_same_weights(workspace, shards, clean_run, tmp_path):  # noqa: F811
     """Every shard answers 503 to its first request (finding the file, before any read) and drops its first transfer:
     each data file is resolved with the retries of a read, and the run trains what a clean one does."""
@@ -427,6 +436,7 @@ def test_a_503_on_first_contact_with_every_shard_trains_the_same_weights(workspa
     assert_same_weights(clean_run, tmp_path / "first-contact")
 
 
+@pytest.mark.processes
 def test_a_server_gone_for_good_stops_the_run_clearly_and_it_resumes_when_back(workspace, shards, clean_run, tmp_path):  # noqa: F811
     output_dir = tmp_path / "outage"
     server = ShardServer(shards).start()
@@ -460,6 +470,7 @@ def test_a_server_gone_for_good_stops_the_run_clearly_and_it_resumes_when_back(w
     assert json.loads((output_dir / "distill_results.json").read_text())["step"] == REMOTE_RUN["max_train_steps"]
 
 
+@pytest.mark.processes
 def test_a_worker_killed_from_outside_stops_the_run_with_a_clear_error(workspace, shards, tmp_path):  # noqa: F811
     """The kernel's OOM killer sends SIGKILL to a DataLoader worker: the run says so and names its last checkpoint,
     and never hangs."""
@@ -487,6 +498,7 @@ def test_a_worker_killed_from_outside_stops_the_run_with_a_clear_error(workspace
     assert f"Newest checkpoint: {output_dir / 'checkpoints' / 'checkpoint-2'}" in stderr
 
 
+@pytest.mark.processes
 def test_s3_glob_with_storage_options_splits_shards_across_two_processes(workspace, tmp_path):  # noqa: F811
     """A local S3-compatible server (moto) and s3fs: a glob of parquet shards, the endpoint and keys in
     --storage_options, two processes under accelerate launch reading disjoint shards; no key reaches a file."""

@@ -72,6 +72,7 @@ def one_machine_run(workspace, tmp_path_factory):  # noqa: F811
     return output_dir
 
 
+@pytest.mark.processes
 def test_two_machines_end_with_the_weights_of_one_machine(workspace, tmp_path, one_machine_run):  # noqa: F811
     """Same world size, same ranks, same data shards and the same gloo all-reduce of two tensors, whether the peer is
     on this launcher or another one: the weights are bit-identical, not just close."""
@@ -84,6 +85,7 @@ def test_two_machines_end_with_the_weights_of_one_machine(workspace, tmp_path, o
     assert_same_final_weights(one_machine_run, output_dir)
 
 
+@pytest.mark.processes
 def test_both_machines_killed_then_relaunched_resume_to_the_same_weights(
     workspace,  # noqa: F811
     tmp_path,
@@ -113,6 +115,7 @@ def test_both_machines_killed_then_relaunched_resume_to_the_same_weights(
     assert_same_final_weights(one_machine_run, output_dir)
 
 
+@pytest.mark.processes
 def test_machines_without_a_shared_output_folder_are_refused_before_the_first_step(workspace, tmp_path):  # noqa: F811
     """Each machine with its own --output_dir (two folders here, as two machines' local disks): process 1's part of
     every checkpoint would land on its own disk, never in the checkpoint the main process completes, and no resume
