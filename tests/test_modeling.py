@@ -503,18 +503,71 @@ def test_unknown_keyword_arguments_raise(model_class, pixel_values):
         model(pixel_values, num_cores=8)
 
 
-@pytest.mark.parametrize("attn_implementation", ["flash_attention_2", "flex_attention", "paged|eager"])
-def test_unsupported_attention_implementations_raise(attn_implementation):
-    """Only eager and sdpa: transformers refuses flash and flex itself, VECA refuses every other registered one."""
-    from transformers import AutoModel
+def padded_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """A 64 x 48 image and a 32 x 48 one zero-padded below it, and their `(2, 64, 48)` pixel mask."""
+    pixel_values = torch.randn(2, 3, 64, 48, generator=torch.Generator().manual_seed(1))
+    pixel_mask = torch.ones(2, 64, 48, dtype=torch.long)
+    pixel_values[1, :, 32:], pixel_mask[1, 32:] = 0, 0
+    return pixel_values, pixel_mask
 
-    with pytest.raises(ValueError, match="not support"):
-        AutoModel.from_config(tiny_config(), attn_implementation=attn_implementation)
-    model = make_model()
-    with pytest.raises(ValueError, match="not support"):
-        model.set_attn_implementation(attn_implementation)
-    model.set_attn_implementation("eager")  # the supported ones still switch
-    assert model.config._attn_implementation == "eager"
+
+def test_a_registered_attention_kernel_runs_both_calls_of_every_block(pixel_values, monkeypatch):
+    """A kernel registered with `AttentionInterface.register` is what VECA calls: for the cores over all tokens
+    (with the padding mask) and for the patches over the cores; wrapping sdpa, it gives sdpa's outputs."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape[2], key.shape[2], None if attention_mask is None else attention_mask.shape))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    # registered for this test only: the registry is process-wide
+    monkeypatch.setitem(AttentionInterface._global_mapping, "recording_sdpa", recording_sdpa)
+    sdpa = make_model()
+    recording = copy.deepcopy(sdpa)
+    recording.set_attn_implementation("recording_sdpa")
+    padded, pixel_mask = padded_pair()
+    with torch.no_grad():
+        for inputs in ({"pixel_values": pixel_values}, {"pixel_values": padded, "pixel_mask": pixel_mask}):
+            calls.clear()
+            actual = recording(**inputs, num_core_tokens=8).last_hidden_state
+            torch.testing.assert_close(actual, sdpa(**inputs, num_core_tokens=8).last_hidden_state, atol=0, rtol=0)
+            mask = None if "pixel_mask" not in inputs else (2, 1, 8, 8 + 12)
+            assert calls == [(8, 8 + 12, mask), (12, 8, None)] * sdpa.config.num_hidden_layers, calls
+
+
+@pytest.mark.processes  # torch compiles flex attention's kernels with the system's C++ compiler
+def test_flex_attention_equals_sdpa(pixel_values):
+    """`attn_implementation="flex_attention"` (compiled by torch, on CPU too) gives sdpa's outputs."""
+    sdpa = make_model()
+    flex = copy.deepcopy(sdpa)
+    flex.set_attn_implementation("flex_attention")
+    with torch.no_grad():
+        for budget in (8, 16):
+            expected = sdpa(pixel_values, num_core_tokens=budget).last_hidden_state
+            torch.testing.assert_close(flex(pixel_values, num_core_tokens=budget).last_hidden_state, expected,
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_attention_kernels_that_cannot_run_say_why():
+    """A kernel that is not installed is transformers' ImportError; a name nobody registered, its ValueError; a
+    padded batch on flash or flex (no additive mask; on CPU torch's flex kernel aborts with one), VECA's ValueError
+    naming the kernels that take one."""
+    from transformers import AttentionInterface
+
+    with pytest.raises(ImportError, match="FlashAttention"):
+        make_model().set_attn_implementation("flash_attention_2")
+    with pytest.raises(ValueError, match="no_such_kernel"):
+        make_model().set_attn_implementation("no_such_kernel")
+    padded, pixel_mask = padded_pair()
+    for kernel in ("flash_attention_2", "flex_attention"):
+        model = make_model()
+        model.config._attn_implementation = kernel  # as if installed: the check comes before any kernel runs
+        with pytest.raises(ValueError, match=f"needs an attention kernel that takes a mask, not '{kernel}'"):
+            model(padded, pixel_mask=pixel_mask)
+    assert "flash_attention_2" in AttentionInterface._global_mapping  # nothing was unregistered on the way
 
 
 @pytest.mark.parametrize("num_hidden_layers", [1, 3])

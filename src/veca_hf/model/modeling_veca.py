@@ -179,12 +179,14 @@ def eager_attention_forward(
 
 
 class VecaCorePeripheryAttention(nn.Module):
-    """Multi-head core-periphery attention: two attention calls, straight to `scaled_dot_product_attention` for
-    `"sdpa"` and to `eager_attention_forward` for `"eager"` (the only two implementations VECA supports).
+    """Multi-head core-periphery attention: two calls of the attention kernel that `config._attn_implementation`
+    names in transformers' `ALL_ATTENTION_FUNCTIONS` ("sdpa", "eager", "flex_attention", "flash_attention_2", or any
+    kernel registered with `AttentionInterface.register`), as transformers' own models call it.
 
-    Call 1 lets the `C` cores attend to all `C + N` tokens, call 2 lets the `N` patches attend to the cores only.
-    No `(C + N)^2` score matrix is built, except for `output_attentions=True`, where the output is computed from
-    the assembled block-sparse map itself (so gradients can be taken with respect to it).
+    Call 1 lets the `C` cores attend to all `C + N` tokens, call 2 lets the `N` patches attend to the cores only:
+    every kernel sees two ordinary non-causal attentions with unequal query and key lengths. No `(C + N)^2` score
+    matrix is built, except for `output_attentions=True`, where the output is computed here from the assembled
+    block-sparse map itself (so gradients can be taken with respect to it), whatever the kernel.
     """
 
     def __init__(self, config: VecaConfig):
@@ -223,67 +225,48 @@ class VecaCorePeripheryAttention(nn.Module):
         query, key = apply_rotary_pos_emb(qkv[:2], cos, sin).unbind(0)  # (B, H, T, Hd) each
         value = qkv[2]  # (B, H, T, Hd)
 
-        if output_attentions or self.config._attn_implementation == "sdpa":
-            attn_output, attn_weights = self._direct_attention(
-                query, key, value, num_cores, attention_mask, output_attentions
-            )  # (B, T, H, Hd), (B, H, T, T) or None
+        if output_attentions:
+            attn_output, attn_weights = self._attention_map_forward(query, key, value, num_cores, attention_mask)
         else:
-            # resolves to `eager_attention_forward` ("eager" is the only other implementation VECA accepts); the
-            # lookup is also how transformers recognises that `set_attn_implementation` can switch this model.
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
             )
+            if attention_mask is not None:
+                # one row per query, as every kernel reads it (flex indexes it by query); a view, no copy
+                attention_mask = attention_mask.expand(-1, -1, num_cores, -1)  # (B, 1, C, T)
             core_output, _ = attention_interface(
-                self, query[:, :, :num_cores], key, value, attention_mask, scaling=self.scaling
+                self, query[:, :, :num_cores], key, value, attention_mask, scaling=self.scaling, is_causal=False
             )  # (B, C, H, Hd)
             core_keys, core_values = key[:, :, :num_cores], value[:, :, :num_cores]  # (B, H, C, Hd)
             patch_output, _ = attention_interface(
-                self, query[:, :, num_cores:], core_keys, core_values, None, scaling=self.scaling
+                self, query[:, :, num_cores:], core_keys, core_values, None, scaling=self.scaling, is_causal=False
             )  # (B, N, H, Hd)
-            attn_output = torch.cat((core_output, patch_output), dim=1)  # (B, T, H, Hd)
-            attn_weights = None
+            attn_output, attn_weights = torch.cat((core_output, patch_output), dim=1), None  # (B, T, H, Hd)
 
         attn_output = self.o_proj(attn_output.reshape(batch_size, num_tokens, -1))  # (B, T, D)
         return attn_output, attn_weights
 
-    def _direct_attention(
+    def _attention_map_forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         num_cores: int,
         attention_mask: torch.Tensor | None,
-        output_attentions: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Both calls computed here, without the attention registry: `(B, H, T, Hd)` each -> `(B, T, H, Hd)`.
-
-        Straight to `scaled_dot_product_attention` (never causal; a mask only on the cores' call, and only for padded
-        batches), written into one `(B, T, H, Hd)` buffer. With `output_attentions`, the same two softmaxes instead,
-        assembled into the full `(B, H, T, T)` map that the output is then computed from (and returned with it).
-
-        NOTE: the generic SDPA integration makes each output contiguous and the two are then concatenated (two
-        copies instead of one), and its causal test on the query length fails under `torch.compile(dynamic=True)`.
-        """
-        batch_size, num_heads, num_tokens, head_dim = key.shape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both calls' softmaxes assembled into the full block-sparse `(B, H, T, T)` map, and the output computed
+        from it: `(B, H, T, Hd)` each -> `(B, T, H, Hd)`, `(B, H, T, T)`. The patch-to-patch block is exactly zero."""
+        num_tokens = key.shape[2]
         query_cores, query_patches = query[:, :, :num_cores], query[:, :, num_cores:]  # (B, H, C, Hd), (B, H, N, Hd)
-        core_keys, core_values = key[:, :, :num_cores], value[:, :, :num_cores]  # (B, H, C, Hd)
-        if output_attentions:
-            core_scores = torch.matmul(query_cores, key.transpose(2, 3)) * self.scaling  # (B, H, C, T)
-            if attention_mask is not None:
-                core_scores = core_scores + attention_mask  # padded patches: exactly zero probability
-            patch_scores = torch.matmul(query_patches, core_keys.transpose(2, 3)) * self.scaling  # (B, H, N, C)
-            core_probs = core_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
-            patch_probs = patch_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
-            patch_probs = nn.functional.pad(patch_probs, (0, num_tokens - num_cores))  # (B, H, N, T), 0 patch -> patch
-            attn_weights = torch.cat((core_probs, patch_probs), dim=2)  # (B, H, T, T)
-            return torch.matmul(attn_weights, value).transpose(1, 2), attn_weights  # (B, T, H, Hd)
-        sdpa = nn.functional.scaled_dot_product_attention
-        core_output = sdpa(query_cores, key, value, attn_mask=attention_mask, scale=self.scaling)  # (B, H, C, Hd)
-        patch_output = sdpa(query_patches, core_keys, core_values, scale=self.scaling)  # (B, H, N, Hd)
-        attn_output = query.new_empty(batch_size, num_tokens, num_heads, head_dim)
-        attn_output[:, :num_cores] = core_output.transpose(1, 2)
-        attn_output[:, num_cores:] = patch_output.transpose(1, 2)
-        return attn_output, None
+        core_scores = torch.matmul(query_cores, key.transpose(2, 3)) * self.scaling  # (B, H, C, T)
+        if attention_mask is not None:
+            core_scores = core_scores + attention_mask  # padded patches: exactly zero probability
+        patch_scores = torch.matmul(query_patches, key[:, :, :num_cores].transpose(2, 3)) * self.scaling  # (B,H,N,C)
+        core_probs = core_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        patch_probs = patch_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        patch_probs = nn.functional.pad(patch_probs, (0, num_tokens - num_cores))  # (B, H, N, T), 0 patch -> patch
+        attn_weights = torch.cat((core_probs, patch_probs), dim=2)  # (B, H, T, T)
+        return torch.matmul(attn_weights, value).transpose(1, 2), attn_weights
 
 
 class VecaSwiGLUMLP(nn.Module):
@@ -351,18 +334,12 @@ class VecaPreTrainedModel(PreTrainedModel):
     input_modalities = ("image",)
     supports_gradient_checkpointing = True
     _no_split_modules = ["VecaEmbeddings", "VecaLayer"]
-    _supports_sdpa = True  # and eager; nothing else (see `get_correct_attn_implementation`)
+    # every kernel in `ALL_ATTENTION_FUNCTIONS`: VECA's two calls are plain non-causal attentions
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
     _can_compile_fullgraph = True
-
-    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
-        """As [`PreTrainedModel.get_correct_attn_implementation`], but only `"eager"` and `"sdpa"` are accepted."""
-        attn_implementation = super().get_correct_attn_implementation(requested_attention, is_init_check)
-        if attn_implementation not in ("eager", "sdpa"):
-            raise ValueError(
-                f'attn_implementation="{attn_implementation}" is not supported by VECA: use "sdpa" (the default) or '
-                '"eager" (needed for nothing but debugging; `output_attentions=True` works with both).'
-            )
-        return attn_implementation
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Same as [`PreTrainedModel.save_pretrained`], plus the code of every VECA class and an `auto_map` naming
@@ -532,6 +509,13 @@ class VecaModel(VecaPreTrainedModel):
         # a batch without padding (e.g. images of one size) takes the unmasked path below, exactly as without
         # `pixel_mask`; only real padding costs a mask and per-image positions.
         if patch_mask is not None and not bool(patch_mask.all()):
+            # NOTE: flash kernels take no additive mask, and torch's compiled flex kernel aborts on CPU with one
+            if "flash" in self.config._attn_implementation or "flex" in self.config._attn_implementation:
+                raise ValueError(
+                    f"A padded batch (pixel_mask with padding) needs an attention kernel that takes a mask, not "
+                    f"{self.config._attn_implementation!r}: use 'sdpa' or 'eager' "
+                    "(model.set_attn_implementation('sdpa')), or batch images of one size."
+                )
             patch_coordinates = get_padded_patch_coordinates(patch_mask, dtype=torch.float32)  # (B, N, 2)
             padded = ~torch.cat((patch_mask.new_ones(batch_size, num_core_tokens), patch_mask.flatten(1)), dim=1)
             attention_mask = torch.zeros(padded.shape, dtype=pixel_values.dtype, device=pixel_values.device)
