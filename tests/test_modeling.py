@@ -44,6 +44,42 @@ def test_output_shapes_for_every_budget_and_size(rows, cols, budget_chunks, batc
     assert outputs.core_positions.abs().max() < 1
 
 
+def test_outputs_are_recorded_as_transformers_records_them(pixel_values):
+    """Hidden states and maps come from transformers' output capture: the config's flags ask for them as the
+    arguments do, indices select hidden states, and every head returns its trunk's."""
+    import veca_hf
+
+    model = make_model(num_hidden_layers=3)
+    with torch.no_grad():
+        full = model(pixel_values, num_core_tokens=8, output_hidden_states=True, output_attentions=True)
+        model.set_attn_implementation("eager")  # transformers allows `config.output_attentions` with eager only
+        model.config.output_hidden_states = model.config.output_attentions = True
+        from_config = model(pixel_values, num_core_tokens=8)
+        model.config.output_hidden_states = model.config.output_attentions = False
+        model.set_attn_implementation("sdpa")
+        selected = model(pixel_values, num_core_tokens=8, output_hidden_states=[0, -1])
+        hidden_states = model(pixel_values, num_core_tokens=8, output_hidden_states=True).hidden_states
+        plain = model(pixel_values, num_core_tokens=8)
+    assert plain.hidden_states is None and plain.attentions is None
+    assert len(from_config.hidden_states) == 4 and len(from_config.attentions) == 3
+    for recorded, expected in zip(
+        from_config.hidden_states + from_config.attentions, full.hidden_states + full.attentions, strict=True
+    ):
+        torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
+    assert [h is None for h in selected.hidden_states] == [False, True, True, False]
+    torch.testing.assert_close(selected.hidden_states[-1], hidden_states[-1], rtol=0, atol=0)
+    torch.testing.assert_close(full.hidden_states[0][:, 8:], model.embeddings.patch_embeddings(pixel_values))
+    for head_class in ("VecaForImageClassification", "VecaBackbone", "VecaForSemanticSegmentation"):
+        head = getattr(veca_hf, head_class)(model.config)
+        head.veca.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            outputs = head.eval()(pixel_values, num_core_tokens=8, output_hidden_states=True, output_attentions=True)
+        for recorded, expected in zip(
+            outputs.hidden_states + outputs.attentions, full.hidden_states + full.attentions, strict=True
+        ):
+            torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
+
+
 def test_default_budget_is_the_bank_or_the_config_default(pixel_values):
     assert make_model()(pixel_values).last_hidden_state.shape[1] == 16 + 12
     assert make_model(default_num_core_tokens=8)(pixel_values).last_hidden_state.shape[1] == 8 + 12
@@ -384,7 +420,7 @@ def test_torch_export_with_dynamic_batch(pixel_values):
         model,
         (pixel_values,),
         kwargs={"num_core_tokens": 8, "return_dict": False},
-        dynamic_shapes=({0: batch}, None, None),
+        dynamic_shapes={"pixel_values": {0: batch}, "num_core_tokens": None, "kwargs": {"return_dict": None}},
     )
     bigger = torch.randn(4, 3, 64, 48)
     torch.testing.assert_close(

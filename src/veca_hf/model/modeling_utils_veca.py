@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers.dynamic_module_utils import get_relative_import_files
-from transformers.utils import logging
+from transformers.utils import TransformersKwargs, logging
 
 
 logger = logging.get_logger(__name__)
@@ -32,6 +32,18 @@ VECA_AUTO_MAP = {
     "AutoModelForSemanticSegmentation": "modeling_veca_dense.VecaForSemanticSegmentation",
     "AutoModelForDepthEstimation": "modeling_veca_dense.VecaForDepthEstimation",
 }
+
+
+def check_model_kwargs(kwargs: dict, model_name: str) -> None:
+    """A `TypeError` for keyword arguments that are not transformers' `TransformersKwargs`: a forward that passes
+    `**kwargs` on would otherwise ignore a misspelt argument (`num_cores=8`) silently."""
+    allowed = TransformersKwargs.__optional_keys__ | TransformersKwargs.__required_keys__
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(
+            f"{model_name}.forward() got unexpected keyword arguments {unknown}: besides its named arguments "
+            f"(pixel_values, num_core_tokens, pixel_mask, ...) it takes only transformers' {sorted(allowed)}."
+        )
 
 
 def check_pixel_values(pixel_values: torch.Tensor, num_channels: int, patch_size: int) -> None:

@@ -29,14 +29,22 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.backbone_utils import BackboneMixin
+from transformers.backbone_utils import BackboneMixin, filter_output_hidden_states
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BackboneOutput, BaseModelOutputWithPooling, ImageClassifierOutput
+from transformers.modeling_outputs import (
+    BackboneOutput,
+    BaseModelOutput,
+    BaseModelOutputWithPooling,
+    ImageClassifierOutput,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import logging
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, auto_docstring, logging
+from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_veca import VecaConfig
-from .modeling_utils_veca import check_pixel_values, gathered_for_init, save_code_and_auto_map
+from .modeling_utils_veca import check_model_kwargs, check_pixel_values, gathered_for_init, save_code_and_auto_map
 from .positions_veca import (
     VecaRopePositionEmbedding,
     apply_rotary_pos_emb,
@@ -205,11 +213,12 @@ class VecaCorePeripheryAttention(nn.Module):
         hidden_states: torch.Tensor,
         core_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         patch_position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        output_attentions: bool = False,
         attention_mask: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`attention_mask`, additive `(B, 1, 1, T)`, applies to the cores' call only (it masks padded patches as
-        keys); the patches' call has the cores as keys, which are never masked, so no row is ever fully masked."""
+        keys); the patches' call has the cores as keys, which are never masked, so no row is ever fully masked.
+        With `output_attentions=True` (from the model's kwargs) the second output is the `(B, H, T, T)` map."""
         batch_size, num_tokens, _ = hidden_states.shape  # (B, T, D)
         num_cores = core_position_embeddings[0].shape[-2]
 
@@ -225,7 +234,8 @@ class VecaCorePeripheryAttention(nn.Module):
         query, key = apply_rotary_pos_emb(qkv[:2], cos, sin).unbind(0)  # (B, H, T, Hd) each
         value = qkv[2]  # (B, H, T, Hd)
 
-        if output_attentions:
+        # the same rule as `capture_outputs`, which records what this returns
+        if kwargs.get("output_attentions", self.config.output_attentions):
             attn_output, attn_weights = self._attention_map_forward(query, key, value, num_cores, attention_mask)
         else:
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -300,16 +310,15 @@ class VecaLayer(GradientCheckpointingLayer):
         core_sin: torch.Tensor,
         patch_cos: torch.Tensor,
         patch_sin: torch.Tensor,
-        output_attentions: bool = False,
         attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
         # cos/sin travel as separate tensors: re-entrant checkpointing loses gradients through tuples.
-        attn_output, attn_weights = self.attention(
-            self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), output_attentions, attention_mask
+        attn_output, _ = self.attention(
+            self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), attention_mask, **kwargs
         )
         hidden_states = hidden_states + attn_output  # (B, T, D)
-        hidden_states = hidden_states + self.mlp(self.norm2(hidden_states))
-        return hidden_states, attn_weights
+        return hidden_states + self.mlp(self.norm2(hidden_states))
 
 
 class VecaCoreCoordinateHead(nn.Module):
@@ -326,6 +335,14 @@ class VecaCoreCoordinateHead(nn.Module):
         return core_coordinates + self.step * self.proj(core_hidden_states)
 
 
+class VecaCorePositions(nn.Module):
+    """Where a block's RoPE places the cores: `tanh(rho)`, `(B or 1, C, 2)` -> `(B, C, 2)` in `[-1, 1]^2`. A module of
+    its own so that `output_core_positions=True` records every block's positions as hidden states are recorded."""
+
+    def forward(self, core_coordinates: torch.Tensor, batch_size: int) -> torch.Tensor:
+        return torch.tanh(core_coordinates).expand(batch_size, -1, -1)
+
+
 class VecaPreTrainedModel(PreTrainedModel):
     config: VecaConfig
     config_class = VecaConfig
@@ -340,6 +357,12 @@ class VecaPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
+    # what `output_hidden_states`, `output_attentions` and `output_core_positions` record per block (capture_outputs)
+    _can_record_outputs = {
+        "hidden_states": VecaLayer,
+        "attentions": VecaCorePeripheryAttention,
+        "all_core_positions": VecaCorePositions,
+    }
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Same as [`PreTrainedModel.save_pretrained`], plus the code of every VECA class and an `auto_map` naming
@@ -379,56 +402,73 @@ class VecaPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, rope_inv_freq(module.config))
 
 
-class VecaEncoder(nn.Module):
-    """The blocks, and the coordinate heads that move the cores between them (`L - 1` of them)."""
+VECA_INPUTS_DOCSTRING = r"""
+    pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
+        Normalised images (from [`VecaImageProcessor`]); height and width any multiples of `config.patch_size`.
+    num_core_tokens (`int`, *optional*):
+        The budget `C`: how many cores of the bank are active (a prefix). A multiple of `config.core_chunk_size` up
+        to `config.core_bank_size`. Defaults to `config.default_num_core_tokens`, else the whole bank.
+    pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
+        For a batch of images of different sizes padded to one size (the image processor's `do_pad=True`): 1 for real
+        pixels, 0 for padding, padded on patch boundaries. Padded patches are hidden from the cores and each image's
+        patches get the RoPE positions of its own grid, so every image's outputs equal those of a forward of that
+        image alone (eval mode; up to float rounding). Without it (or with no padding at all) nothing is masked.
+    output_attentions (`bool`, *optional*):
+        Return each block's block-sparse `(B, H, T, T)` attention map. This builds the dense map, whatever the
+        attention implementation, and computes the block's output from it.
+"""
+
+
+@dataclass
+class VecaEncoderOutput(BaseModelOutput):
+    r"""
+    core_positions (`torch.FloatTensor` of shape `(batch_size, num_core_tokens, 2)`):
+        Where the active cores sat in the last block, `(x, y)` in `[-1, 1]^2`.
+    all_core_positions (`tuple(torch.FloatTensor)`, *optional*):
+        Per block, the `(batch_size, num_core_tokens, 2)` positions its RoPE rotated the cores by.
+    """
+
+    core_positions: torch.FloatTensor | None = None
+    all_core_positions: tuple[torch.FloatTensor, ...] | None = None
+
+
+class VecaEncoder(VecaPreTrainedModel):
+    """The blocks and the coordinate heads that move the cores between them (`L - 1` of them). Every block's hidden
+    states, attention map and core positions are recorded here, by `capture_outputs` (as DINOv3's encoder does)."""
 
     def __init__(self, config: VecaConfig):
-        super().__init__()
+        super().__init__(config)
         self.layer = nn.ModuleList([VecaLayer(config) for _ in range(config.num_hidden_layers)])
         self.core_coordinate_heads = nn.ModuleList(
             [VecaCoreCoordinateHead(config) for _ in range(config.num_hidden_layers - 1)]
         )
+        self.core_positions = VecaCorePositions()
+        self.post_init()
 
+    @capture_outputs(tie_last_hidden_states=False)
     def forward(
         self,
         hidden_states: torch.Tensor,
         core_coordinates: torch.Tensor,
         patch_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         rope_embeddings: VecaRopePositionEmbedding,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        output_core_positions: bool = False,
         attention_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple | None, tuple | None, tuple | None]:
-        """Returns the last block's output `(B, T, D)`, its core positions `tanh(rho)` `(B or 1, C, 2)`, and the
-        per-block hidden states, attention maps and core positions that were asked for. `attention_mask` (additive,
-        `(B, 1, 1, T)`) hides padded patches from the cores' call of every block."""
-        num_cores = core_coordinates.shape[1]
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        all_core_positions = () if output_core_positions else None
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> VecaEncoderOutput:
+        """`(B, T, D)` embeddings and the bank's raw core coordinates `(1, C, 2)` in; the last block's output and core
+        positions out. `attention_mask` (additive, `(B, 1, 1, T)`) hides padded patches from every block's cores."""
+        batch_size, num_cores = hidden_states.shape[0], core_coordinates.shape[1]
         for index, layer in enumerate(self.layer):
             if index > 0:
                 core_coordinates = self.core_coordinate_heads[index - 1](
                     hidden_states[:, :num_cores], core_coordinates
                 )
-            core_positions = torch.tanh(core_coordinates)  # (B or 1, C, 2), in [-1, 1]
-            core_cos, core_sin = rope_embeddings(core_positions)  # (B or 1, C, Hd) each
-            hidden_states, attn_weights = layer(
-                hidden_states,
-                core_cos,
-                core_sin,
-                *patch_position_embeddings,
-                output_attentions=output_attentions,
-                attention_mask=attention_mask,
-            )
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            if output_attentions:
-                all_attentions += (attn_weights,)
-            if output_core_positions:
-                all_core_positions += (core_positions.expand(hidden_states.shape[0], -1, -1),)
-        return hidden_states, core_positions, all_hidden_states, all_attentions, all_core_positions
+            core_positions = self.core_positions(core_coordinates, batch_size)  # (B, C, 2)
+            core_cos, core_sin = rope_embeddings(core_positions)  # (B, C, Hd) each
+            hidden_states = layer(
+                hidden_states, core_cos, core_sin, *patch_position_embeddings, attention_mask, **kwargs
+            )  # (B, T, D)
+        return VecaEncoderOutput(last_hidden_state=hidden_states, core_positions=core_positions)
 
 
 class VecaModel(VecaPreTrainedModel):
@@ -456,45 +496,21 @@ class VecaModel(VecaPreTrainedModel):
                 num_core_tokens = int(num_core_tokens)
         return self.config.check_budget(num_core_tokens)
 
+    @can_return_tuple
+    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
     def forward(
         self,
         pixel_values: torch.Tensor,
         num_core_tokens: int | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        output_core_positions: bool = False,
-        return_dict: bool | None = None,
         pixel_mask: torch.Tensor | None = None,
-    ) -> VecaModelOutput | tuple:
+        output_core_positions: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> VecaModelOutput:
         r"""
-        Args:
-            pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
-                Normalised images; height and width any multiples of `config.patch_size`.
-            num_core_tokens (`int`, *optional*):
-                The budget `C`: how many cores of the bank are active (a prefix). A multiple of
-                `config.core_chunk_size` up to `config.core_bank_size`. Defaults to `config.default_num_core_tokens`,
-                else the whole bank.
-            output_attentions (`bool`, *optional*):
-                Return each block's block-sparse `(B, H, T, T)` attention map. This materialises the dense map
-                (whatever the attention implementation) and computes the output from it.
-            output_hidden_states (`bool`, *optional*):
-                Return the embeddings and every block's output.
-            output_core_positions (`bool`, *optional*, defaults to `False`):
-                Return `all_core_positions`: per block, where its RoPE placed the cores.
-            return_dict (`bool`, *optional*):
-                Return a [`VecaModelOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
-            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
-                For a batch of images of different sizes padded to one size (the image processor's `do_pad=True`):
-                1 for real pixels, 0 for padding, padded on patch boundaries. Padded patches are hidden from the
-                cores, and each image's patches get the RoPE positions of its own grid, so every image's cores and
-                patches equal those of a forward of that image alone (eval mode; up to float rounding). The output
-                then carries `patch_mask`. Without it (or with no padding at all) nothing is masked.
+        output_core_positions (`bool`, *optional*, defaults to `False`):
+            Return `all_core_positions`: per block, where its RoPE placed the cores.
         """
-        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        check_model_kwargs(kwargs, type(self).__name__)
         check_pixel_values(pixel_values, self.config.num_channels, self.config.patch_size)
         num_core_tokens = self.resolve_num_core_tokens(num_core_tokens)
 
@@ -533,34 +549,30 @@ class VecaModel(VecaPreTrainedModel):
             )
         patch_position_embeddings = self.rope_embeddings(patch_coordinates)  # (N, Hd) or (B, N, Hd) each
 
-        hidden_states, core_positions, all_hidden_states, all_attentions, all_core_positions = self.encoder(
+        encoder_outputs = self.encoder(
             hidden_states,
             core_coordinates,
             patch_position_embeddings,
             self.rope_embeddings,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            output_core_positions=output_core_positions,
-            attention_mask=attention_mask,  # (B, 1, 1, T): 0, or the dtype's minimum at padded patches
+            attention_mask,  # (B, 1, 1, T): 0, or the dtype's minimum at padded patches
+            output_all_core_positions=output_core_positions,
+            return_dict=True,
+            **kwargs,
         )
-        sequence_output = self.norm(hidden_states)  # (B, T, D)
-        output = VecaModelOutput(
+        sequence_output = self.norm(encoder_outputs.last_hidden_state)  # (B, T, D)
+        return VecaModelOutput(
             last_hidden_state=sequence_output,
             pooler_output=sequence_output[:, 0],
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
-            core_positions=core_positions.expand(batch_size, -1, -1),
-            all_core_positions=all_core_positions,
+            hidden_states=encoder_outputs.hidden_states,
+            attentions=encoder_outputs.attentions,
+            core_positions=encoder_outputs.core_positions,
+            all_core_positions=encoder_outputs.all_core_positions,
             patch_mask=patch_mask.flatten(1) if patch_mask is not None else None,  # (B, N)
         )
-        return output if return_dict else output.to_tuple()
 
 
 class VecaForImageClassification(VecaPreTrainedModel):
     """VECA with a linear classifier on the global core (the first core after the final norm), the paper's probe."""
-
-    # tells `Trainer` to pass `num_items_in_batch` (it otherwise looks for `**kwargs`, which VECA does not take).
-    accepts_loss_kwargs = True
 
     def __init__(self, config: VecaConfig):
         super().__init__(config)
@@ -569,52 +581,29 @@ class VecaForImageClassification(VecaPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
         self.post_init()
 
+    @can_return_tuple
+    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
     def forward(
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
         num_core_tokens: int | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        num_items_in_batch: torch.Tensor | int | None = None,
-        return_dict: bool | None = None,
         pixel_mask: torch.Tensor | None = None,
-    ) -> ImageClassifierOutput | tuple:
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> ImageClassifierOutput:
         r"""
-        Args:
-            pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
-                Normalised images.
-            labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
-                Class indices (or regression targets when `config.num_labels == 1`) for the loss.
-            num_core_tokens (`int`, *optional*):
-                The budget `C`; see [`VecaModel.forward`].
-            output_attentions, output_hidden_states (`bool`, *optional*):
-                See [`VecaModel.forward`].
-            num_items_in_batch (`torch.Tensor` or `int`, *optional*):
-                Labels in the whole (accumulated) batch; the loss is summed and divided by it (`Trainer` passes it).
-            return_dict (`bool`, *optional*):
-                Return an [`ImageClassifierOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
-            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
-                For a padded batch of images of different sizes; see [`VecaModel.forward`]. Each image's logits equal
-                those of that image alone.
+        labels (`torch.LongTensor` of shape `(batch_size,)`, *optional*):
+            Class indices (or regression targets when `config.num_labels == 1`) for the loss; with
+            `num_items_in_batch` (`Trainer` passes it) the loss is summed and divided by it.
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        outputs = self.veca(
-            pixel_values,
-            num_core_tokens=num_core_tokens,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            pixel_mask=pixel_mask,
-        )
+        outputs = self.veca(pixel_values, num_core_tokens=num_core_tokens, pixel_mask=pixel_mask, **kwargs)
         logits = self.classifier(outputs.pooler_output)  # (B, num_labels)
         loss = None
         if labels is not None:
-            loss = self.loss_function(labels, logits, self.config, num_items_in_batch=num_items_in_batch)
-        output = ImageClassifierOutput(
+            loss = self.loss_function(labels, logits, self.config, **kwargs)
+        return ImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if return_dict else output.to_tuple()
 
 
 class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
@@ -629,7 +618,8 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
       `pooler_output` of [`VecaModel`]) followed by the patches in row-major order. This is the ViT layout with one
       CLS token that the necks of Depth Anything and DPT read (DPT's readout uses the prefix token).
 
-    Heads call the backbone without `num_core_tokens`, so their budget is `config.default_num_core_tokens`.
+    Heads call the backbone without `num_core_tokens`, so their budget is `config.default_num_core_tokens`. With
+    `pixel_mask` the maps keep the padded grid: each image's region equals that image's own maps.
     """
 
     def __init__(self, config: VecaConfig):
@@ -641,42 +631,17 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
     def get_input_embeddings(self) -> nn.Module:
         return self.veca.get_input_embeddings()
 
+    @can_return_tuple
+    @filter_output_hidden_states
+    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
     def forward(
         self,
         pixel_values: torch.Tensor,
         num_core_tokens: int | None = None,
-        output_hidden_states: bool | None = None,
-        output_attentions: bool | None = None,
-        return_dict: bool | None = None,
         pixel_mask: torch.Tensor | None = None,
-    ) -> BackboneOutput | tuple:
-        r"""
-        Args:
-            pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
-                Normalised images; height and width any multiples of `config.patch_size`.
-            num_core_tokens (`int`, *optional*):
-                The budget `C`; see [`VecaModel.forward`].
-            output_hidden_states, output_attentions (`bool`, *optional*):
-                Also return every stage's tokens, or the attention maps; see [`VecaModel.forward`].
-            return_dict (`bool`, *optional*):
-                Return a [`BackboneOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
-            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
-                For a padded batch of images of different sizes; see [`VecaModel.forward`]. The maps keep the padded
-                grid: each image's region of them equals that image's own maps, and the padded positions hold
-                features of the padding (cropped or ignored by the head's loss, as for any padded batch).
-        """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        outputs = self.veca(
-            pixel_values,
-            num_core_tokens=num_core_tokens,
-            output_attentions=output_attentions,
-            output_hidden_states=True,
-            return_dict=True,
-            pixel_mask=pixel_mask,
-        )
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BackboneOutput:
+        outputs = self.veca(pixel_values, num_core_tokens=num_core_tokens, pixel_mask=pixel_mask, **kwargs)
         num_cores = outputs.core_positions.shape[1]
         batch_size, _, height, width = pixel_values.shape
         grid = (height // self.config.patch_size, width // self.config.patch_size)
@@ -699,12 +664,9 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
                 feature_map = torch.cat([hidden_state[:, :1], patches], dim=1)  # (B, 1 + N, D)
             feature_maps.append(feature_map)
 
-        output = BackboneOutput(
-            feature_maps=tuple(feature_maps),
-            hidden_states=outputs.hidden_states if output_hidden_states else None,
-            attentions=outputs.attentions,
+        return BackboneOutput(
+            feature_maps=tuple(feature_maps), hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if return_dict else output.to_tuple()
 
 
 __all__ = [

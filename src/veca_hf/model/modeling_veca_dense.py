@@ -24,9 +24,12 @@ saved VECA folder).
 import torch
 from torch import nn
 from transformers.modeling_outputs import DepthEstimatorOutput, SemanticSegmenterOutput
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, auto_docstring
+from transformers.utils.generic import can_return_tuple
 
 from .configuration_veca import VecaConfig
-from .modeling_veca import VecaModel, VecaModelOutput, VecaPreTrainedModel
+from .modeling_veca import VECA_INPUTS_DOCSTRING, VecaModel, VecaModelOutput, VecaPreTrainedModel
 
 
 def upsample_patch_logits(logits: torch.Tensor, patch_size: int, patch_mask: torch.Tensor | None) -> torch.Tensor:
@@ -74,19 +77,11 @@ class VecaDensePreTrainedModel(VecaPreTrainedModel):
         head: nn.Linear,
         pixel_values: torch.Tensor,
         num_core_tokens: int | None,
-        output_attentions: bool | None,
-        output_hidden_states: bool | None,
         pixel_mask: torch.Tensor | None,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, VecaModelOutput]:
         """`(B, K, H, W)` outputs of `head` at every pixel, and the backbone's outputs."""
-        outputs = self.veca(
-            pixel_values,
-            num_core_tokens=num_core_tokens,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            pixel_mask=pixel_mask,
-        )
+        outputs = self.veca(pixel_values, num_core_tokens=num_core_tokens, pixel_mask=pixel_mask, **kwargs)
         num_cores = outputs.core_positions.shape[1]
         batch_size, _, height, width = pixel_values.shape
         patch_size = self.config.patch_size
@@ -111,39 +106,24 @@ class VecaForSemanticSegmentation(VecaDensePreTrainedModel):
         self.classifier = nn.Linear(2 * config.hidden_size, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
+    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
     def forward(
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
         num_core_tokens: int | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         pixel_mask: torch.Tensor | None = None,
-    ) -> SemanticSegmenterOutput | tuple:
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SemanticSegmenterOutput:
         r"""
-        Args:
-            pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
-                Normalised images; height and width any multiples of `config.patch_size`.
-            labels (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
-                A class index per pixel, `config.semantic_loss_ignore_index` (255 by default) for unlabelled pixels.
-            num_core_tokens (`int`, *optional*):
-                The budget `C`; see [`VecaModel.forward`].
-            output_attentions, output_hidden_states (`bool`, *optional*):
-                See [`VecaModel.forward`].
-            return_dict (`bool`, *optional*):
-                Return a [`SemanticSegmenterOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
-            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
-                For a padded batch of images of different sizes; see [`VecaModel.forward`]. Each image's logits
-                equal those of that image alone; padded pixels are 0 and left out of the loss.
-
-        Returns:
-            `logits` `(batch_size, num_labels, height, width)`; `loss`, the mean cross-entropy over labelled pixels,
-            when `labels` is given (0, with a gradient of zeros, if no pixel is labelled).
+        labels (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
+            A class index per pixel, `config.semantic_loss_ignore_index` (255 by default) for unlabelled pixels and
+            for padding. The loss is the mean cross-entropy over labelled pixels (0, with a gradient of zeros, if
+            none is labelled); `logits` are `(batch_size, num_labels, height, width)`.
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         logits, outputs = self._dense_forward(
-            self.classifier, pixel_values, num_core_tokens, output_attentions, output_hidden_states, pixel_mask
+            self.classifier, pixel_values, num_core_tokens, pixel_mask, **kwargs
         )  # (B, K, H, W)
         loss = None
         if labels is not None:
@@ -156,10 +136,9 @@ class VecaForSemanticSegmentation(VecaDensePreTrainedModel):
                 loss = nn.functional.cross_entropy(logits, labels, ignore_index=ignore_index)
             else:  # nothing labelled: a mean over no pixel would be NaN
                 loss = logits.sum() * 0.0
-        output = SemanticSegmenterOutput(
+        return SemanticSegmenterOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if return_dict else output.to_tuple()
 
 
 class VecaForDepthEstimation(VecaDensePreTrainedModel):
@@ -182,40 +161,23 @@ class VecaForDepthEstimation(VecaDensePreTrainedModel):
         self.head = nn.Linear(2 * config.hidden_size, 1)
         self.post_init()
 
+    @can_return_tuple
+    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
     def forward(
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
         num_core_tokens: int | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         pixel_mask: torch.Tensor | None = None,
-    ) -> DepthEstimatorOutput | tuple:
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> DepthEstimatorOutput:
         r"""
-        Args:
-            pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
-                Normalised images; height and width any multiples of `config.patch_size`.
-            labels (`torch.FloatTensor` of shape `(batch_size, height, width)`, *optional*):
-                Ground-truth depth; 0 or NaN marks pixels without one, which the loss ignores.
-            num_core_tokens (`int`, *optional*):
-                The budget `C`; see [`VecaModel.forward`].
-            output_attentions, output_hidden_states (`bool`, *optional*):
-                See [`VecaModel.forward`].
-            return_dict (`bool`, *optional*):
-                Return a [`DepthEstimatorOutput`] instead of a plain tuple. Defaults to `config.return_dict`.
-            pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
-                For a padded batch of images of different sizes; see [`VecaModel.forward`]. Each image's depth
-                equals that of the image alone; padded pixels are 0 and left out of the loss.
-
-        Returns:
-            `predicted_depth` `(batch_size, height, width)`; `loss`, the mean squared error over valid pixels, when
-            `labels` is given (0, with a gradient of zeros, if no pixel is valid).
+        labels (`torch.FloatTensor` of shape `(batch_size, height, width)`, *optional*):
+            Ground-truth depth; 0 or NaN marks pixels without one, and padding is left out too. The loss is the mean
+            squared error over valid pixels (0, with a gradient of zeros, if none is valid); `predicted_depth` is
+            `(batch_size, height, width)`.
         """
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        predicted_depth, outputs = self._dense_forward(
-            self.head, pixel_values, num_core_tokens, output_attentions, output_hidden_states, pixel_mask
-        )
+        predicted_depth, outputs = self._dense_forward(self.head, pixel_values, num_core_tokens, pixel_mask, **kwargs)
         predicted_depth = predicted_depth[:, 0]  # (B, H, W)
         loss = None
         if labels is not None:
@@ -228,13 +190,12 @@ class VecaForDepthEstimation(VecaDensePreTrainedModel):
                 loss = nn.functional.mse_loss(predicted_depth[valid], labels[valid])
             else:  # no ground truth in the batch
                 loss = predicted_depth.sum() * 0.0
-        output = DepthEstimatorOutput(
+        return DepthEstimatorOutput(
             loss=loss,
             predicted_depth=predicted_depth,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return output if return_dict else output.to_tuple()
 
 
 __all__ = ["VecaForDepthEstimation", "VecaForSemanticSegmentation", "upsample_patch_logits"]
