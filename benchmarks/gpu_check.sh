@@ -9,6 +9,9 @@
 # Stages (each under its own time limit; a failing stage is recorded and the next one runs):
 #   1. scaling    bf16 VECA-B (C = 64) vs DINOv3-B at 1024/2048/4096 px, batch 8: latency, peak memory
 #                 (benchmarks/scaling.py --device cuda --dtype bf16 --no_profile)
+#   kernels       each attention kernel (sdpa, flash_attention_2 / _3 where installed, flex_attention): VECA-B
+#                 (C = 8, 64) vs DINOv3-B at 224/512/1024 px, batch 8, a bf16 forward and a bf16-autocast training
+#                 step (benchmarks/gpu_check_helpers.py kernels)
 #   2. precision  eager vs sdpa in bf16, and bf16 autocast vs fp32 (benchmarks/precision_check.py)
 #   3. distill    20 steps of `accelerate launch examples/distill.py` in bf16 on 1 GPU, resumed once from the
 #                 step-10 checkpoint into a second run; the two final students are compared
@@ -16,8 +19,8 @@
 #                 num_processes 1); skipped, with the reason printed, without CUDA or without deepspeed
 # Teacher and data are generated (a tiny random DINOv3 saved from a config, 48 random images): no Hub needed.
 #
-# Files: OUT_DIR/gpu_check.json (all of it), OUT_DIR/scaling/results.{json,md}, OUT_DIR/precision.json,
-# OUT_DIR/stages.jsonl, OUT_DIR/gpu_check.log. Training runs and checkpoints go to a temporary folder.
+# Files: OUT_DIR/gpu_check.json (all of it), OUT_DIR/scaling/results.{json,md}, OUT_DIR/kernels.json,
+# OUT_DIR/precision.json, OUT_DIR/stages.jsonl, OUT_DIR/gpu_check.log. Training runs and checkpoints go to a temporary folder.
 # Packages missing on the GPU machine (datasets, deepspeed, a newer transformers) can travel as wheels in ./.whl:
 # they are installed into /tmp/site when that folder exists (see docs/performance.md).
 
@@ -28,7 +31,7 @@ POSITIONAL=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
-        -h|--help) sed -n '3,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '3,28p' "$0"; exit 0 ;;
         *) POSITIONAL+=("$arg") ;;
     esac
 done
@@ -88,6 +91,12 @@ fi
 run_stage scaling 240 "$PY" benchmarks/scaling.py "${SCALING_ARGS[@]}" --no_profile --no_plots \
     --output_dir "$OUT_DIR/scaling"
 record scaling "$STAGE_STATUS" "$STAGE_SECONDS" "exit $STAGE_RC"
+
+# --- kernels: every attention kernel, forward and training step ------------------------------------------------------
+KERNEL_ARGS=()
+if [ "$DRY_RUN" = "1" ]; then KERNEL_ARGS=(--dry_run); fi
+run_stage kernels 200 "$PY" benchmarks/gpu_check_helpers.py kernels "$OUT_DIR" "${KERNEL_ARGS[@]}"
+record kernels "$STAGE_STATUS" "$STAGE_SECONDS" "exit $STAGE_RC (rows measured before a time-out are kept)"
 
 # --- 2. precision ---------------------------------------------------------------------------------------------------
 if [ "$DRY_RUN" = "1" ]; then

@@ -4,6 +4,7 @@
 
 python benchmarks/gpu_check_helpers.py workspace DIR       # tiny random DINOv3 teacher, student config, images
 python benchmarks/gpu_check_helpers.py compare RUN_A RUN_B # max |difference| of two saved students' weights
+python benchmarks/gpu_check_helpers.py kernels OUT [--dry_run]  # each attention kernel: forward and training step
 python benchmarks/gpu_check_helpers.py report OUT          # the compact table, and OUT/gpu_check.json
 """
 
@@ -48,6 +49,116 @@ def compare(run_a: Path, run_b: Path) -> None:
     print(json.dumps({"max_abs_weight_diff": diff, "same_keys": a.keys() == b.keys(), "steps": steps}))
 
 
+def available_kernels(dry_run: bool) -> dict[str, str | None]:
+    """Attention kernels to time, each with the reason it is skipped (`None`: it runs)."""
+    import importlib.util
+
+    import torch
+
+    if dry_run:  # the CPU path: flex compiles for minutes on CPU, and is tested against sdpa in the suite
+        return {"sdpa": None, "eager": None}
+    kernels = {"sdpa": None}
+    for name, package in (("flash_attention_2", "flash_attn"), ("flash_attention_3", "flash_attn_interface")):
+        kernels[name] = None if importlib.util.find_spec(package) else f"the {package} package is not installed"
+        if not torch.cuda.is_available():
+            kernels[name] = "needs CUDA"
+    kernels["flex_attention"] = None  # last: it compiles for every new shape, and the stage has a time limit
+    return kernels
+
+
+def _kernel_call(model, kwargs: dict, pixel_values, optimizer) -> None:
+    """One timed call: a bf16 forward without an optimizer, else a training step under bf16 autocast."""
+    import torch
+
+    if optimizer is None:
+        with torch.inference_mode():
+            model(pixel_values.to(torch.bfloat16), **kwargs)
+        return
+    with torch.autocast(pixel_values.device.type, dtype=torch.bfloat16):
+        loss = model(pixel_values, **kwargs).last_hidden_state.float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def kernels(out: Path, dry_run: bool) -> None:
+    """VECA-B (C = 8 and 64) and DINOv3-B under each attention kernel at 224/512/1024 px, batch 8 (tiny models at
+    64 px, batch 2, on CPU for `--dry_run`): a bf16 forward (weights in bf16) and a training step (fp32 weights under
+    bf16 autocast: forward, backward, AdamW), timed in interleaved rounds after one warm-up round (flex compiles
+    there). Rows go to `out/kernels.json` as they are measured, so a stage cut by its time limit keeps what it
+    measured; a kernel or case that cannot run is a row saying why."""
+    import copy
+    import statistics
+    import time
+
+    import torch
+    from scaling import preset_configs
+    from transformers import DINOv3ViTModel
+
+    from veca_hf import VecaModel
+
+    device = torch.device("cpu" if dry_run else "cuda")
+    resolutions, batch, repeats = ([64], 2, 2) if dry_run else ([224, 512, 1024], 8, 5)
+    veca_config, dinov3_config = preset_configs("veca-b16", dry_run, [8, 64])
+    rows: list[dict] = []
+
+    def add(new_rows: list[dict]) -> None:
+        rows.extend(new_rows)
+        (out / "kernels.json").write_text(json.dumps(rows, indent=2) + "\n")
+        print(new_rows, flush=True)
+
+    for kernel, skip in available_kernels(dry_run).items():
+        if skip:
+            add([{"kernel": kernel, "skipped": skip}])
+            continue
+        torch.manual_seed(0)
+        trained = {"DINOv3": DINOv3ViTModel(dinov3_config), "VECA": VecaModel(veca_config)}
+        for model in trained.values():
+            model.set_attn_implementation(kernel)
+            model.to(device).train()
+        inference = {name: copy.deepcopy(model).to(torch.bfloat16).eval() for name, model in trained.items()}
+        optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-6) for name, model in trained.items()}
+        cases = {"DINOv3": ("DINOv3", {}), "VECA C=8": ("VECA", {"num_core_tokens": 8})}
+        cases["VECA C=64"] = ("VECA", {"num_core_tokens": 64})
+        for resolution in resolutions:
+            pixel_values = torch.randn(batch, 3, resolution, resolution, device=device)
+            for mode in ("forward", "train"):
+                times: dict[str, list[float]] = {name: [] for name in cases}
+                errors: dict[str, str] = {}
+                order = list(cases)
+                for round_index in range(1 + repeats):
+                    for name in order[round_index % 3 :] + order[: round_index % 3]:
+                        model_name, kwargs = cases[name]
+                        model = inference[model_name] if mode == "forward" else trained[model_name]
+                        optimizer = None if mode == "forward" else optimizers[model_name]
+                        if name in errors:
+                            continue
+                        try:
+                            if device.type == "cuda":
+                                torch.cuda.synchronize()
+                            start = time.perf_counter()
+                            _kernel_call(model, kwargs, pixel_values, optimizer)
+                            if device.type == "cuda":
+                                torch.cuda.synchronize()
+                        except Exception as error:  # recorded in the table; the other cases go on
+                            errors[name] = f"{type(error).__name__}: {str(error)[:200]}"
+                            continue
+                        if round_index:  # round 0 warms up
+                            times[name].append(time.perf_counter() - start)
+                new_rows = []
+                for name in cases:
+                    row = {"kernel": kernel, "resolution": resolution, "batch": batch, "mode": mode, "model": name}
+                    if name in errors:
+                        row["error"] = errors[name]
+                    else:
+                        row["ms"] = 1e3 * statistics.median(times[name])
+                        if name != "DINOv3" and "DINOv3" not in errors:
+                            ratios = [a / b for a, b in zip(times[name], times["DINOv3"], strict=True)]
+                            row["ratio_vs_dinov3"] = statistics.median(ratios)
+                    new_rows.append(row)
+                add(new_rows)
+
+
 def report(out: Path) -> None:
     """Reads what the stages wrote under `out`, prints one table, writes `out/gpu_check.json`."""
     result: dict = {"stages": [], "scaling": [], "precision": [], "distill": []}
@@ -66,6 +177,8 @@ def report(out: Path) -> None:
                 "peak_memory_mb": p.get("peak_memory_mb"), "paired_ratio": p.get("paired_latency_ratio_vs_dinov3"),
                 "flop_ratio": p.get("flop_ratio_vs_dinov3"), "error": p.get("error"),
             })  # fmt: skip
+    kernel_rows = out / "kernels.json"
+    result["kernels"] = json.loads(kernel_rows.read_text()) if kernel_rows.exists() else []
     precision = out / "precision.json"
     if precision.exists():
         result["precision"] = json.loads(precision.read_text())["rows"]
@@ -75,29 +188,38 @@ def report(out: Path) -> None:
     def cell(value, spec):
         return "-" if value is None else format(value, spec)
 
-    print("\n| stage | status | seconds | detail |\n|---|---|---|---|")
-    for s in result["stages"]:
-        print(f"| {s['stage']} | {s['status']} | {cell(s.get('seconds'), '.0f')} | {s.get('detail', '')} |")
+    def table(columns: str, rows: list[list]) -> None:
+        """A markdown table: `columns` separated by " | ", one list of cells per row."""
+        print(f"\n| {columns} |\n|" + "---|" * len(columns.split(" | ")))
+        for row in rows:
+            print("| " + " | ".join(str(value) for value in row) + " |")
+
+    table(
+        "stage | status | seconds | detail",
+        [[s["stage"], s["status"], cell(s.get("seconds"), ".0f"), s.get("detail", "")] for s in result["stages"]],
+    )
     if result["scaling"]:
-        print("\n| res | batch | model | latency ms | img/s | peak MB | time / DINOv3 (paired) | FLOPs / DINOv3 |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in result["scaling"]:
-            print(f"| {r['resolution']} | {r['batch']} | {r['model']} | {cell(r['latency_ms'], '.1f')} | "
-                  f"{cell(r['images_per_s'], '.2f')} | {cell(r['peak_memory_mb'], '.0f')} | "
-                  f"{cell(r['paired_ratio'] if 'VECA' in r['model'] else None, '.3f')} | "
-                  f"{cell(r['flop_ratio'] if 'VECA' in r['model'] else None, '.3f')} |"
-                  + (f" {r['error']}" if r["error"] else ""))  # fmt: skip
+        table("res | batch | model | latency ms | img/s | peak MB | time / DINOv3 (paired) | FLOPs / DINOv3 | error",
+              [[r["resolution"], r["batch"], r["model"], cell(r["latency_ms"], ".1f"), cell(r["images_per_s"], ".2f"),
+                cell(r["peak_memory_mb"], ".0f"), cell(r["paired_ratio"] if "VECA" in r["model"] else None, ".3f"),
+                cell(r["flop_ratio"] if "VECA" in r["model"] else None, ".3f"), r["error"] or ""]
+               for r in result["scaling"]])  # fmt: skip
+    if result["kernels"]:
+        table("kernel | res | batch | mode | model | ms | time / DINOv3 (paired) | note",
+              [[r["kernel"], r.get("resolution", "-"), r.get("batch", "-"), r.get("mode", "-"), r.get("model", "-"),
+                cell(r.get("ms"), ".1f"), cell(r.get("ratio_vs_dinov3"), ".3f"),
+                r.get("skipped") or r.get("error") or ""]
+               for r in result["kernels"]])  # fmt: skip
     if result["precision"]:
-        print(
-            "\n| model | check | res | min cos tokens | min cos pooler | rel err | ok |\n|---|---|---|---|---|---|---|"
-        )
-        for r in result["precision"]:
-            print(f"| {r['model']} | {r['check']} | {r['resolution']} | {r['last_hidden_state_cosine_min']:.5f} | "
-                  f"{r['pooler_output_cosine_min']:.5f} | {r['relative_error']:.1e} | {r['passed']} |")  # fmt: skip
+        table("model | check | res | min cos tokens | min cos pooler | rel err | ok",
+              [[r["model"], r["check"], r["resolution"], f"{r['last_hidden_state_cosine_min']:.5f}",
+                f"{r['pooler_output_cosine_min']:.5f}", f"{r['relative_error']:.1e}", r["passed"]]
+               for r in result["precision"]])  # fmt: skip
     print(f"\nall stages ok or skipped: {result['all_ok']}; wrote {out / 'gpu_check.json'}")
 
 
 if __name__ == "__main__":
     command, *paths = sys.argv[1:]
     {"workspace": lambda: workspace(Path(paths[0])), "compare": lambda: compare(Path(paths[0]), Path(paths[1])),
+     "kernels": lambda: kernels(Path(paths[0]), dry_run="--dry_run" in paths),
      "report": lambda: report(Path(paths[0]))}[command]()  # fmt: skip

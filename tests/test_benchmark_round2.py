@@ -385,6 +385,29 @@ def test_int8_check_times_compares_and_probes_every_candidate(tmp_path):
     assert result["machine"]["bf16"]["flags"] is not None or sys.platform != "linux"
 
 
+# --- model_revisions.py --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.processes
+def test_model_revisions_times_a_revision_against_the_working_tree(tmp_path):
+    """HEAD's model folder imported from git next to the working tree's: same weights, both timed, outputs compared."""
+    run_script("model_revisions.py", "--before", "HEAD", "--tiny", "--resolutions", "32,48", "--budgets", "8,16",
+               "--repeats", "3", "--warmup", "0", "--no_dinov3", "--threads", "1",
+               "--output_dir", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert result["before"] == head.strip() and result["after"] == "working tree"
+    assert [(p["resolution"], p["budget"]) for p in result["points"]] == [(32, 8), (32, 16), (48, 8), (48, 16)]
+    model_unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src/veca_hf/model"], cwd=ROOT)
+    for point in result["points"]:
+        assert point["before_ms"] > 0 and point["after_ms"] > 0 and len(point["after_over_before_rounds"]) == 3
+        low, high = point["after_over_before_interval"]
+        assert low <= point["after_over_before_geometric_mean"] <= high
+        if model_unchanged.returncode == 0:  # the same code at both ends computes the same numbers
+            assert point["max_abs_output_difference"] == 0.0
+    assert "| 48 | 16 | 3 |" in (tmp_path / "results.md").read_text()
+
+
 # --- gpu_check.sh --------------------------------------------------------------------------------------------------
 
 
@@ -405,13 +428,19 @@ def test_gpu_check_dry_run(tmp_path):
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     stages = {s["stage"]: s for s in result["stages"]}
-    assert {stages[name]["status"] for name in ("scaling", "precision", "distill")} == {"ok"}, stages
+    assert {stages[name]["status"] for name in ("scaling", "kernels", "precision", "distill")} == {"ok"}, stages
     assert "resumed from step 2" in stages["distill"]["detail"]
     for name in ("zero2", "zero3"):
         assert stages[name]["status"] == "skipped" and "CUDA" in stages[name]["detail"]
     assert {r["model"] for r in result["scaling"]} == {"DINOv3", "VECA C=16"}
     assert result["precision"] and result["all_ok"]
-    assert "| stage | status |" in completed.stdout
+    kernel_rows = {(r["kernel"], r["mode"], r["model"]): r for r in result["kernels"]}
+    for kernel in ("sdpa", "eager"):
+        for mode in ("forward", "train"):
+            for model in ("DINOv3", "VECA C=8", "VECA C=64"):
+                assert kernel_rows[(kernel, mode, model)]["ms"] > 0
+            assert kernel_rows[(kernel, mode, "VECA C=8")]["ratio_vs_dinov3"] > 0
+    assert "| stage | status |" in completed.stdout and "| kernel | res | batch | mode |" in completed.stdout
 
 
 @pytest.mark.processes

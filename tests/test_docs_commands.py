@@ -78,6 +78,8 @@ NOT_RUN = {
     ("README.md", "examples/distill.py #1"): "the Hub: the gated DINOv3 teacher (tests/test_distill_script.py "
     "runs the script on a tiny teacher)",
     ("docs/usage.md", "pip"): "the network: installs packages",
+    ("docs/performance.md", "benchmarks/model_revisions.py #1"): "minutes: VECA-B/16 twice and DINOv3-B at 512 and "
+    "1024 px (tests/test_benchmark_round2.py runs it on tiny models)",
     ("docs/usage.md", "examples/extract_features.py #1"): "the network: remote webdataset shards over HTTPS",
     ("docs/usage.md", "examples/extract_features.py #2"): "several machines; its flags are the command above's",
     ("docs/conversion.md", "veca-convert #2"): "the Hub: pushes to my-org/veca-b16",

@@ -23,6 +23,7 @@ This file imports only torch, transformers and its siblings (relatively, so `sav
 that a saved folder loads with `trust_remote_code=True` where `veca_hf` is not installed.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -419,6 +420,14 @@ VECA_INPUTS_DOCSTRING = r"""
 """
 
 
+def veca_docstring(forward):
+    """`auto_docstring` for a VECA forward: transformers' argument docs, VECA's shared ones (`VECA_INPUTS_DOCSTRING`,
+    written once) and the forward's own docstring, which holds only the arguments special to it."""
+    own = inspect.cleandoc(forward.__doc__ or "")
+    forward.__doc__ = None
+    return auto_docstring(forward, custom_args=inspect.cleandoc(VECA_INPUTS_DOCSTRING) + "\n" + own)
+
+
 @dataclass
 class VecaEncoderOutput(BaseModelOutput):
     r"""
@@ -497,7 +506,7 @@ class VecaModel(VecaPreTrainedModel):
         return self.config.check_budget(num_core_tokens)
 
     @can_return_tuple
-    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
+    @veca_docstring
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -582,7 +591,7 @@ class VecaForImageClassification(VecaPreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
+    @veca_docstring
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -633,7 +642,7 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
 
     @can_return_tuple
     @filter_output_hidden_states
-    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
+    @veca_docstring
     def forward(
         self,
         pixel_values: torch.Tensor,

@@ -25,11 +25,11 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import DepthEstimatorOutput, SemanticSegmenterOutput
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, auto_docstring
+from transformers.utils import TransformersKwargs
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_veca import VecaConfig
-from .modeling_veca import VECA_INPUTS_DOCSTRING, VecaModel, VecaModelOutput, VecaPreTrainedModel
+from .modeling_veca import VecaModel, VecaModelOutput, VecaPreTrainedModel, veca_docstring
 
 
 def upsample_patch_logits(logits: torch.Tensor, patch_size: int, patch_mask: torch.Tensor | None) -> torch.Tensor:
@@ -107,7 +107,7 @@ class VecaForSemanticSegmentation(VecaDensePreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
+    @veca_docstring
     def forward(
         self,
         pixel_values: torch.Tensor,
@@ -162,7 +162,7 @@ class VecaForDepthEstimation(VecaDensePreTrainedModel):
         self.post_init()
 
     @can_return_tuple
-    @auto_docstring(custom_args=VECA_INPUTS_DOCSTRING)
+    @veca_docstring
     def forward(
         self,
         pixel_values: torch.Tensor,
