@@ -56,23 +56,23 @@ def argument_parser(description: str, resolutions: list[int]) -> argparse.Argume
         "--cpu_allocator",
         default="tuned",
         choices=["tuned", "default"],
-        help="tuned: apply veca_hf.tune_cpu_allocator() at the start, so that every model of the run, DINOv3 "
-        "included, runs under the same glibc malloc settings; default: glibc's own (VECA_HF_TUNE_MALLOC=0). "
+        help="tuned: apply veca_hf.cpu.allocator.tune_cpu_allocator() at the start, so that every model of the run, "
+        "DINOv3 included, runs under the same glibc malloc settings; default: glibc's own (VECA_HF_TUNE_MALLOC=0). "
         "Recorded in the results (machine.cpu_allocator).",
     )
     return parser
 
 
 def apply_cpu_allocator(args: argparse.Namespace) -> dict:
-    """Apply `--cpu_allocator` before any model runs; returns `veca_hf.cpu_allocator_state()` for the results."""
-    import veca_hf
+    """Apply `--cpu_allocator` before any model runs; returns `cpu_allocator_state()` for the results."""
+    import veca_hf.cpu.allocator
 
     if args.cpu_allocator == "default":
         os.environ["VECA_HF_TUNE_MALLOC"] = "0"
     else:
         os.environ.pop("VECA_HF_TUNE_MALLOC", None)
-        veca_hf.tune_cpu_allocator()
-    return veca_hf.cpu_allocator_state()
+        veca_hf.cpu.allocator.tune_cpu_allocator()
+    return veca_hf.cpu.allocator.cpu_allocator_state()
 
 
 def command_line(argv: list[str] | None) -> str:

@@ -856,7 +856,7 @@ def main(argv: list[str] | None = None) -> dict:
     output_dir, results_dir = Path(args.output_dir).resolve(), Path(args.results_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     from veca_hf.demo import offline_photos
-    from veca_hf.hub import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
+    from veca_hf.hub.access import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
 
     teacher = str(
         resolve_teacher(

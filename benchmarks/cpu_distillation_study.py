@@ -293,7 +293,8 @@ def gain_kept_met(kept_fraction: float, high_gain: float, threshold: float) -> b
 
 def summarize(args: StudyArguments, paths: dict, probe_results: list, alignment: list, timings: dict) -> dict:
     """One row per model (and budget) with every measurement; the four targets with 95% paired-bootstrap intervals."""
-    from veca_hf import evaluation, hardware
+    from veca_hf import evaluation
+    from veca_hf.cpu import hardware
 
     distill = {kind: json.loads((paths[kind] / "distill_results.json").read_text()) for kind in ("veca", "dense")}
     validation = {kind: result["validation"] for kind, result in distill.items()}
@@ -526,7 +527,7 @@ def main(argv: list[str] | None = None) -> dict:
     output_dir = Path(args.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     from veca_hf.demo import offline_photos
-    from veca_hf.hub import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
+    from veca_hf.hub.access import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
 
     # The study is documented to use the offline DINOv2-S/14 when the Hub is unreachable: it opts in, here, once.
     teacher = resolve_teacher(

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from veca_hf import VecaModel
-from veca_hf.hardware import warn_if_slow_bf16
+from veca_hf.cpu.hardware import warn_if_slow_bf16
 from veca_hf.training.distillation import (
     DistillationLoss,
     StudentWithLoss,

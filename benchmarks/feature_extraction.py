@@ -39,7 +39,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTImageProcessor, DINOv3ViTModel, pipeline
 
 from veca_hf import VecaImageProcessor, VecaModel
-from veca_hf.hardware import warn_if_slow_bf16
+from veca_hf.cpu.hardware import warn_if_slow_bf16
 
 
 PATHS = ("pipeline", "loop", "model")

@@ -7,7 +7,7 @@ Candidates (`--candidates`), each a way to run VECA's Linear layers (about 95% o
 - `torch_int8_x86` / `torch_int8_onednn`: `torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, torch.qint8)`
   (weights int8 per tensor, activations quantized per call) with the `x86` (fbgemm) or `onednn` quantized engine;
 - `onnxruntime_int8`: our ONNX export through ONNX Runtime's `quantize_dynamic` (int8 weights, dynamic
-  activations; `veca_hf.export_onnx.quantize_onnx_int8`, the CLI's `--int8`), run by ONNX Runtime's CPU provider.
+  activations; `veca_hf.hub.export_onnx.quantize_onnx_int8`, the CLI's `--int8`), run by ONNX Runtime's CPU provider.
 
 Three measurements:
 
@@ -95,7 +95,7 @@ def _torch_int8(model: nn.Module, engine: str) -> nn.Module:
 def _onnxruntime_int8(model: VecaModel, budget: int, folder: Path) -> Runner:
     import onnxruntime
 
-    from veca_hf.export_onnx import export_onnx, quantize_onnx_int8
+    from veca_hf.hub.export_onnx import export_onnx, quantize_onnx_int8
 
     int8_path = quantize_onnx_int8(export_onnx(model, budget, folder / "model.onnx"), folder / "model-int8.onnx")
     options = onnxruntime.SessionOptions()

@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from veca_hf.hardware import cpu_kind, cpu_model
+    from veca_hf.cpu.hardware import cpu_kind, cpu_model
 
     machine = {
         "cpu_model": cpu_model(),

@@ -16,7 +16,7 @@ latter, e.g. a real DINOv2 teacher): random weights say how the kernels round, n
 move. Inputs are Gaussian noise unless `--images_dir` names a folder of images: then the first `--batch_size` of
 them (sorted by name), resized and centre-cropped to each resolution by `VecaImageProcessorPil.for_resolution`
 (ImageNet normalisation, as both models expect). On CPU the script first reports whether this CPU has fast bf16
-(`veca_hf.hardware.cpu_bf16_support`).
+(`veca_hf.cpu.hardware.cpu_bf16_support`).
 
     python benchmarks/precision_check.py --size veca-b16 --resolutions 224,512,1024 --threads 2
     python benchmarks/precision_check.py --device cuda --checks eager_sdpa --eager_sdpa_dtype bf16
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from veca_hf import VecaImageProcessorPil, VecaModel
-from veca_hf.hardware import cpu_bf16_support
+from veca_hf.cpu.hardware import cpu_bf16_support
 
 
 CHECKS = ("bf16_autocast", "bf16_weights", "eager_sdpa")

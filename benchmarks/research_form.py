@@ -7,7 +7,7 @@ pretrained patch-embedding download). Without a clone, it is `ResearchFormVeca` 
 paper's efficient forward (arXiv 2605.12491) in the released checkpoints' layout (docs/conversion.md): separate
 `q`/`k`/`v` linears, RoPE on interleaved channel pairs recomputed in every block (the cores move), two SDPA calls per
 block (cores over all tokens, patches over the cores), SwiGLU as `fc1`, split, `silu(u) * g`, `fc2`. Either way the
-weights go through `veca_hf.model.convert_veca_original` into a `VecaModel`, so both compute the same function; the
+weights go through `veca_hf.hub.convert_veca_original` into a `VecaModel`, so both compute the same function; the
 script checks that (max abs difference of the outputs) before timing.
 
     python benchmarks/research_form.py --size veca-b16 --resolutions 512,1024 --budget 64 --repeats 5 --threads 2 \
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from veca_hf import VecaModel
-from veca_hf.model.convert_veca_original import convert_state_dict, infer_config
+from veca_hf.hub.convert_veca_original import convert_state_dict, infer_config
 
 
 class _Block(nn.Module):

@@ -69,8 +69,8 @@ from scaling_measure import (
 from scaling_report import markdown, one_line, plot, summarize, summary_lines, train_target_lines, train_targets
 
 from veca_hf import VecaConfig
+from veca_hf.cpu.hardware import slow_bf16_warning
 from veca_hf.flops import num_patches_for
-from veca_hf.hardware import slow_bf16_warning
 from veca_hf.training.distillation import dense_student_config
 
 
@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cpu_inference_buffers",
         action="store_true",
-        help="Model mode: run VECA inside veca_hf.inference.cpu_inference_buffers (blocks share their large "
+        help="Model mode: run VECA inside veca_hf.cpu.buffers.cpu_inference_buffers (blocks share their large "
         "projection outputs; docs/performance.md).",
     )
     parser.add_argument("--no_plots", action="store_true")
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
             "modules in the whole step."
         )
     if device.type == "cpu" and gemm_dtype == torch.bfloat16 and cpu_has_fast_bf16(machine) is False:
-        # The F.linear rates are measured now (veca_hf.hardware); machine["bf16"] holds torch.mm's.
+        # The F.linear rates are measured now (veca_hf.cpu.hardware); machine["bf16"] holds torch.mm's.
         warning = (
             f"--dtype {args.dtype}: "
             + (slow_bf16_warning(device) or "this CPU's torch.mm ran slower in bf16 than in fp32.")

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from veca_hf import VecaConfig, VecaModel
+from veca_hf.cpu.buffers import cpu_inference_buffers
 from veca_hf.flops import (
     attention_block_flops,
     count_flops,
@@ -26,7 +27,6 @@ from veca_hf.flops import (
     veca_model_flops,
     veca_training_flops,
 )
-from veca_hf.inference import cpu_inference_buffers
 from veca_hf.model.modeling_veca import (
     VecaCorePeripheryAttention,
     VecaRopePositionEmbedding,

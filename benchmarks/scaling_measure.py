@@ -17,7 +17,7 @@ import common  # noqa: F401 - first: the offline Hub defaults, and veca_hf from 
 import torch
 from torch import nn
 
-from veca_hf.hardware import cpu_bf16_support, cpu_kind, cpu_model
+from veca_hf.cpu.hardware import cpu_bf16_support, cpu_kind, cpu_model
 from veca_hf.model.modeling_veca import VecaCorePeripheryAttention
 
 
@@ -70,7 +70,7 @@ def _call_or_none(owner, name: str):
 
 
 def cpu_has_fast_bf16(machine: dict[str, Any]) -> bool | None:
-    """Whether the CPU runs bf16 matmuls fast (flags, and the measured `torch.mm` if any; `veca_hf.hardware`)."""
+    """Whether the CPU runs bf16 matmuls fast (flags, and the measured `torch.mm` if any; `veca_hf.cpu.hardware`)."""
     if machine.get("bf16") is not None:
         return machine["bf16"]["fast_bf16"]
     flags = (machine.get("cpu_avx512_bf16"), machine.get("cpu_amx_tile"))

@@ -7,7 +7,7 @@
     python examples/app.py --model_name_or_path FOLDER_OR_HUB_ID [--teacher_name_or_path FOLDER_OR_HUB_ID]
     python examples/app.py --model_name_or_path HUB_ID --write_space space/    # a ready Hugging Face Space
 
-Serves on 127.0.0.1 (`--server_name 0.0.0.0` to share). Every picture comes from `veca_hf.evaluation.dial.dial`;
+Serves on 127.0.0.1 (`--server_name 0.0.0.0` to share). Every picture comes from `veca_hf.demo.dial.dial`;
 this file only lays them out. Uploads and pictures stay in one temporary folder, pruned as they age (`DELETE_CACHE`).
 """
 
@@ -121,7 +121,7 @@ def write_space(directory: str, model_name_or_path: str, teacher_name_or_path: s
 def build_demo(model, teacher, example_photos: list[str]):
     import gradio as gr
 
-    from veca_hf.evaluation.dial import dial
+    from veca_hf.demo.dial import dial
 
     config = model.config
     patch = config.patch_size

@@ -31,7 +31,8 @@ from transformers import AutoModel, HfArgumentParser
 
 from veca_hf import VecaImageProcessor
 from veca_hf.arguments import canonical_dtype, parse_args_with_file, redact_secrets
-from veca_hf.budgets import BudgetSampler, SampledBudgetArguments, training_budgets
+from veca_hf.budgets import BudgetSampler, training_budgets
+from veca_hf.cpu.hardware import warn_if_slow_bf16
 from veca_hf.data import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageStream,
@@ -47,9 +48,8 @@ from veca_hf.data import (
     parse_storage_options,
     resize_batch,
 )
-from veca_hf.hardware import warn_if_slow_bf16
-from veca_hf.hub import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher_on_all_ranks, take_credentials
-from veca_hf.model_card import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
+from veca_hf.hub.access import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher_on_all_ranks, take_credentials
+from veca_hf.hub.cards import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
 from veca_hf.training.checkpointing import (
     checkpoint_steps,
     load_checkpoint,
@@ -85,6 +85,7 @@ from veca_hf.training.optimization import (
     cosine_schedule_with_warmup,
     optimizer_group_names,
 )
+from veca_hf.training.scripts import SampledBudgetArguments
 
 
 logger = get_logger(__name__)

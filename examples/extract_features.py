@@ -29,6 +29,7 @@ from transformers import AutoImageProcessor, AutoModel, HfArgumentParser
 
 import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
 from veca_hf.arguments import canonical_dtype, parse_args_with_file, redact_urls
+from veca_hf.cpu.hardware import warn_if_slow_bf16
 from veca_hf.data import (
     StreamRetries,
     dataset_root,
@@ -49,8 +50,7 @@ from veca_hf.embedding import (
     remove_partial_files,
     summarize,
 )
-from veca_hf.hardware import warn_if_slow_bf16
-from veca_hf.hub import take_credentials
+from veca_hf.hub.access import take_credentials
 
 
 logger = logging.getLogger("veca_hf.extract_features")

@@ -36,12 +36,10 @@ from datasets import load_dataset
 from transformers import AutoImageProcessor, AutoModelForImageClassification
 
 import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
-from veca_hf.budgets import (
-    budget_sampler_from_args,
-)
 from veca_hf.data import build_transform
 from veca_hf.metrics import load_metric
-from veca_hf.training.trainer import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
+from veca_hf.training.scripts import budget_sampler_from_args, parse_finetuning_args, train_evaluate_and_publish
+from veca_hf.training.trainer import VecaTrainer
 
 
 logger = logging.getLogger(__name__)

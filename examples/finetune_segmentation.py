@@ -38,10 +38,7 @@ import logging
 from dataclasses import dataclass, field
 
 import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
-from veca_hf.budgets import (
-    budget_sampler_from_args,
-    parse_number_list,
-)
+from veca_hf.budgets import parse_number_list
 from veca_hf.dense import (
     SEGMENTATION_HEADS,
     DenseCollator,
@@ -54,7 +51,8 @@ from veca_hf.dense import (
     freeze_backbone,
     resolve_id2label,
 )
-from veca_hf.training.trainer import VecaTrainer, parse_finetuning_args, train_evaluate_and_publish
+from veca_hf.training.scripts import budget_sampler_from_args, parse_finetuning_args, train_evaluate_and_publish
+from veca_hf.training.trainer import VecaTrainer
 
 
 logger = logging.getLogger(__name__)

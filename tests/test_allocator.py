@@ -1,4 +1,4 @@
-"""The glibc malloc settings of `veca_hf.tune_cpu_allocator()` (`veca_hf/allocator.py`): nothing at import, nothing
+"""The glibc malloc settings of `veca_hf.cpu.allocator.tune_cpu_allocator()`: nothing at import, nothing
 from a model's forward (no process-wide side effect), nothing when opted out, large tensors served from the heap
 once called, and outputs bit for bit unchanged.
 
@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
         tensor = torch.ones(size, dtype=torch.uint8)
         return libc.mallinfo2().hblkhd - before
 
-    import veca_hf
+    import veca_hf.cpu.allocator
     from veca_hf import VecaConfig, VecaModel
 
     report = {"import": mapped_bytes(64 << 20)}
@@ -46,20 +46,20 @@ SCRIPT = textwrap.dedent(
     with torch.no_grad():
         untuned = model(pixel_values).last_hidden_state
     report["after_forward"] = mapped_bytes(64 << 20)
-    report["after_forward_state"] = veca_hf.cpu_allocator_state()
+    report["after_forward_state"] = veca_hf.cpu.allocator.cpu_allocator_state()
     os.environ["VECA_HF_TUNE_MALLOC"] = "0"
-    report["opted_out_call"] = veca_hf.tune_cpu_allocator()
+    report["opted_out_call"] = veca_hf.cpu.allocator.tune_cpu_allocator()
     report["opted_out"] = mapped_bytes(64 << 20)
-    report["opted_out_reason"] = veca_hf.cpu_allocator_state()["reason"]
+    report["opted_out_reason"] = veca_hf.cpu.allocator.cpu_allocator_state()["reason"]
     del os.environ["VECA_HF_TUNE_MALLOC"]
-    report["call"] = veca_hf.tune_cpu_allocator()
+    report["call"] = veca_hf.cpu.allocator.tune_cpu_allocator()
     with torch.no_grad():
         tuned = model(pixel_values).last_hidden_state
         before = libc.mallinfo2().hblkhd
         again = model(pixel_values).last_hidden_state
         report["forward_mapped"] = libc.mallinfo2().hblkhd - before
     report["tuned"] = mapped_bytes(64 << 20)
-    report["state"] = veca_hf.cpu_allocator_state()
+    report["state"] = veca_hf.cpu.allocator.cpu_allocator_state()
     report["equal"] = bool(torch.equal(untuned, tuned) and torch.equal(tuned, again))
     print(json.dumps(report))
     """

@@ -107,7 +107,7 @@ def test_write_space_makes_a_ready_space(tmp_path):
     assert {"gradio>=6.0", "torch>=2.6", "transformers>=5.24"} <= set(requirements)
     assert all(">=" in line or line.isidentifier() for line in requirements)  # lower bounds, never pins
     assert (space / "app.py").read_text() == APP.read_text()
-    assert (space / "veca_hf" / "evaluation" / "dial.py").is_file() and not list(space.rglob("__pycache__"))
+    assert (space / "veca_hf" / "demo" / "dial.py").is_file() and not list(space.rglob("__pycache__"))
     settings = json.loads((space / app.SPACE_SETTINGS).read_text())
     assert settings == {
         "model_name_or_path": "org/veca-b16",
@@ -144,7 +144,7 @@ def test_write_space_refuses_a_folder_it_did_not_write(tmp_path):
     (space / "notes.md").write_text("kept\n")
     app.write_space(str(space), "org/veca-l16", "facebook/dinov3-vitl16-pretrain-lvd1689m")  # its own Space again
     assert json.loads((space / app.SPACE_SETTINGS).read_text())["model_name_or_path"] == "org/veca-l16"
-    assert (space / "notes.md").read_text() == "kept\n" and (space / "veca_hf" / "evaluation" / "dial.py").is_file()
+    assert (space / "notes.md").read_text() == "kept\n" and (space / "veca_hf" / "demo" / "dial.py").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (app.write_space(str(empty), "org/veca-b16", None) / app.SPACE_SETTINGS).is_file()
@@ -160,7 +160,7 @@ def test_a_space_rewritten_by_its_own_app_keeps_its_package(tmp_path):
     assert json.loads((space / "dial_space.json").read_text())["model_name_or_path"] == "org/b"
     imported = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=space, timeout=300)
     assert imported.stdout.strip() == str(space / "veca_hf" / "__init__.py")  # the Space's package is whole
-    assert (space / "veca_hf" / "evaluation" / "dial.py").is_file()
+    assert (space / "veca_hf" / "demo" / "dial.py").is_file()
 
 
 def test_the_page_hands_over_uploads_undecoded_and_cleans_its_cache(tmp_path, monkeypatch):

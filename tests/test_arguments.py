@@ -130,7 +130,7 @@ def test_distill_script_validates_at_the_end_only_with_validation_steps_0():
 def test_every_example_loads_files_with_the_package_loader():
     import inspect
 
-    from veca_hf.training.trainer import parse_finetuning_args
+    from veca_hf.training.scripts import parse_finetuning_args
 
     assert "parse_args_with_file(" in inspect.getsource(parse_finetuning_args)
     for name in ("distill", "finetune_classification", "finetune_segmentation", "finetune_depth", "linear_probe"):
@@ -345,8 +345,8 @@ CANONICAL_FLAGS = {
 # TrainingArguments keeps this deprecated field of its own (transformers maps it onto activation_checkpointing).
 TRANSFORMERS_OWN_ALIASES = {"gradient_checkpointing"}
 PACKAGE_SCRIPTS = {
-    "convert_veca_original": "veca_hf.model.convert_veca_original",
-    "export_onnx": "veca_hf.export_onnx",
+    "convert_veca_original": "veca_hf.hub.convert_veca_original",
+    "export_onnx": "veca_hf.hub.export_onnx",
 }
 SCRIPTS = sorted(path.stem for path in (ROOT / "examples").glob("*.py")) + sorted(PACKAGE_SCRIPTS)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import random_pil_images
 
-from veca_hf.hardware import cpu_kind
+from veca_hf.cpu.hardware import cpu_kind
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -333,7 +333,7 @@ def test_research_code_clone_is_checked_and_loaded_without_timm(tmp_path):
 
 
 def test_cpu_bf16_support_flags_only():
-    from veca_hf.hardware import cpu_bf16_support
+    from veca_hf.cpu.hardware import cpu_bf16_support
 
     info = cpu_bf16_support(measure_size=None)
     assert "mm_size" not in info and info["fast_bf16"] in (True, False, None)

@@ -11,7 +11,7 @@ from reference_veca import ReferenceVeca
 from safetensors.torch import load_file
 
 from veca_hf import VecaImageProcessor, VecaModel
-from veca_hf.model.convert_veca_original import convert_checkpoint, convert_state_dict, infer_config, main
+from veca_hf.hub.convert_veca_original import convert_checkpoint, convert_state_dict, infer_config, main
 
 
 def perturbed_reference(seed: int = 0, **sizes) -> ReferenceVeca:
@@ -70,7 +70,7 @@ def test_cli_writes_a_complete_folder(tmp_path):
         [
             sys.executable,
             "-m",
-            "veca_hf.model.convert_veca_original",
+            "veca_hf.hub.convert_veca_original",
             "--checkpoint",
             str(FIXTURES / "tiny_reference.pth"),
             "--output_dir",
@@ -90,7 +90,7 @@ def test_cli_writes_a_complete_folder(tmp_path):
 
 
 def test_cli_accepts_the_dashed_spellings_too(tmp_path, capsys):
-    from veca_hf.model.convert_veca_original import main
+    from veca_hf.hub.convert_veca_original import main
 
     main(
         [

@@ -297,7 +297,7 @@ def test_offline_photos_is_an_imagefolder(tmp_path, monkeypatch):
 def test_the_core_needs_no_demo_dependency():
     """Importing the package, the teacher check and the demo itself imports none of the `demo` extra's packages."""
     code = (
-        "import sys, veca_hf, veca_hf.hub, veca_hf.training.distillation, veca_hf.evaluation\n"
+        "import sys, veca_hf, veca_hf.hub.access, veca_hf.training.distillation, veca_hf.evaluation\n"
         "assert 'veca_hf.demo' not in sys.modules, 'the core imports veca_hf.demo'\n"
         "import veca_hf.demo\n"
         "loaded = sorted({'onnx', 'skimage', 'sklearn', 'imgviz'} & set(sys.modules))\n"

@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from veca_hf import VecaForDepthEstimation, VecaForSemanticSegmentation, VecaImageProcessorPil, VecaModel
-from veca_hf.budgets import BudgetSampler, pick_budget, veca_call_defaults
+from veca_hf.budgets import BudgetSampler
 from veca_hf.dense import (
     DenseCollator,
     DenseTransform,
@@ -44,7 +44,9 @@ from veca_hf.dense import (
     prepare_splits,
     resolve_id2label,
 )
+from veca_hf.latency import pick_budget
 from veca_hf.metrics import compute_metric
+from veca_hf.routing import veca_call
 from veca_hf.training.trainer import VecaTrainer, evaluate_budgets
 
 
@@ -165,8 +167,8 @@ def veca_folder(tmp_path_factory) -> Path:
 
 
 class ForwardSpy:
-    """Records `num_core_tokens` and whether `pixel_mask` was given, for every call of a `VecaModel` (a forward hook:
-    it sees the arguments after every pre-hook, `veca_call_defaults`' included)."""
+    """Records the budget a `VecaModel` ran at (its argument, else its config's default) and whether `pixel_mask` was
+    given, for every call (a forward hook: it sees the arguments after every pre-hook, `veca_call`'s included)."""
 
     def __init__(self, model):
         self.calls = []
@@ -175,7 +177,8 @@ class ForwardSpy:
                 module.register_forward_hook(self, with_kwargs=True)
 
     def __call__(self, module, args, kwargs, output):
-        self.calls.append((kwargs.get("num_core_tokens"), kwargs.get("pixel_mask") is not None))
+        budget = module.resolve_num_core_tokens(kwargs.get("num_core_tokens"))
+        self.calls.append((budget, kwargs.get("pixel_mask") is not None))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -323,15 +326,16 @@ def test_mixed_size_batch_equals_single_images(task):
 
 
 def test_upernet_takes_pixel_mask_through_the_trainer_hook(veca_folder):
-    """`veca_call_defaults` gives UperNet's VECA the mask: the cores then see only each image's own patches."""
+    """`veca_call` gives UperNet's VECA the mask: the cores then see only each image's own patches."""
     model = build_segmentation_model(str(veca_folder), "upernet", ID2LABEL, head_hidden_size=16).eval()
     pixel_values = torch.randn(2, 3, 64, 64)
     pixel_mask = torch.ones(2, 64, 64, dtype=torch.long)
     pixel_mask[1, 32:] = 0
-    with torch.no_grad(), veca_call_defaults(model, num_core_tokens=8, pixel_mask=pixel_mask):
-        padded = model.backbone(pixel_values).feature_maps[-1]
-    with torch.no_grad(), veca_call_defaults(model, num_core_tokens=8):
-        alone = model.backbone(pixel_values[1:, :, :32]).feature_maps[-1]
+    with torch.no_grad(), veca_call(model, {"pixel_values": pixel_values, "pixel_mask": pixel_mask}, 8) as inputs:
+        assert set(inputs) == {"pixel_values"}  # UperNet's forward takes neither the budget nor the mask
+        padded = model.backbone(**inputs).feature_maps[-1]
+    with torch.no_grad(), veca_call(model, {"pixel_values": pixel_values[1:, :, :32]}, 8) as inputs:
+        alone = model.backbone(**inputs).feature_maps[-1]
     torch.testing.assert_close(padded[1:, :, :2], alone, rtol=0, atol=1e-5)
     assert pick_budget(model, 32, latency_target_ms=1e6, warmup=0, repeats=1).num_core_tokens == 16
 

@@ -1,4 +1,4 @@
-"""The budget dial's pictures (`veca_hf.evaluation.dial`): shapes at every budget, one PCA basis for all budgets, a
+"""The budget dial's pictures (`veca_hf.demo.dial`): shapes at every budget, one PCA basis for all budgets, a
 click on the right patch, cores over the image, attention costs that grow with the budget, the drawn pictures and
 `dial` (every picture of the demo, with a teacher beside), clear errors; a too-large upload refused from its header
 before any decode; one core's attention computed without any `(T, T)` map."""
@@ -14,8 +14,7 @@ from conftest import tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from veca_hf import VecaModel
-from veca_hf.evaluation.core_tracing import core_attention_in_block
-from veca_hf.evaluation.dial import (
+from veca_hf.demo.dial import (
     MAX_PIXELS,
     DialImage,
     attention_cost,
@@ -32,6 +31,7 @@ from veca_hf.evaluation.dial import (
     similarity_map,
     timed_forward,
 )
+from veca_hf.evaluation.core_tracing import core_attention_in_block
 from veca_hf.evaluation.feature_maps import project_to_rgb
 
 

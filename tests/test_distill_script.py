@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel, ViTConfig
 
 from veca_hf import VecaConfig, VecaModel
-from veca_hf.hardware import cpu_bf16_support
+from veca_hf.cpu.hardware import cpu_bf16_support
 from veca_hf.training.distillation import dense_student_config
 
 

@@ -8,14 +8,7 @@ from conftest import tiny_config, tiny_dinov3_config
 from transformers import Dinov2Config, Dinov2Model, DINOv3ViTModel
 
 from veca_hf import VecaModel
-from veca_hf.budgets import (
-    DEFAULT_BUDGET_WEIGHTS,
-    DEFAULT_BUDGETS,
-    BudgetSampler,
-    default_budgets,
-    paper_budget_weights,
-    training_budgets,
-)
+from veca_hf.budgets import BudgetSampler, paper_budget_weights, training_budgets
 from veca_hf.training.distillation import (
     PAPER_STAGE2_RESOLUTION_SCHEDULE,
     DistillationLoss,
@@ -31,6 +24,11 @@ from veca_hf.training.distillation import (
     validation_losses,
 )
 from veca_hf.training.optimization import get_parameter_groups
+
+
+# The paper's elastic training: budgets 8..64 drawn with weights 1,1,2,2,3,3,4,4 (E[C] = 44).
+PAPER_BUDGETS = (8, 16, 24, 32, 40, 48, 56, 64)
+PAPER_WEIGHTS = (1, 1, 2, 2, 3, 3, 4, 4)
 
 
 def test_loss_matches_a_hand_computation():
@@ -81,24 +79,27 @@ def test_loss_projects_when_widths_differ_and_checks_grids():
 
 
 def test_budget_sampler_is_identical_across_ranks_and_follows_the_weights():
-    rank0, rank1 = BudgetSampler(seed=3), BudgetSampler(seed=3)
+    rank0, rank1 = (
+        BudgetSampler(PAPER_BUDGETS, PAPER_WEIGHTS, seed=3),
+        BudgetSampler(PAPER_BUDGETS, PAPER_WEIGHTS, seed=3),
+    )
     draws = [rank0(step) for step in range(20000)]
     assert draws == [rank1(step) for step in range(20000)]  # every rank, no communication
-    assert draws[:50] != [BudgetSampler(seed=4)(step) for step in range(50)]
+    assert draws[:50] != [BudgetSampler(PAPER_BUDGETS, PAPER_WEIGHTS, seed=4)(step) for step in range(50)]
     counts = Counter(draws)
-    total = sum(DEFAULT_BUDGET_WEIGHTS)
-    for budget, weight in zip(DEFAULT_BUDGETS, DEFAULT_BUDGET_WEIGHTS, strict=True):
+    total = sum(PAPER_WEIGHTS)
+    for budget, weight in zip(PAPER_BUDGETS, PAPER_WEIGHTS, strict=True):
         assert abs(counts[budget] / len(draws) - weight / total) < 0.012, budget
     assert abs(sum(draws) / len(draws) - 44) < 0.5  # E[C] = 44 (the paper's elastic training)
 
 
 def test_default_budgets_follow_the_student_bank():
     """Every chunk multiple up to the bank, weights ceil(4 i / K): the paper's 1,1,2,2,3,3,4,4 for a bank of 64."""
-    assert paper_budget_weights(8) == list(DEFAULT_BUDGET_WEIGHTS)
-    assert default_budgets(tiny_config(core_bank_size=64)) == (list(DEFAULT_BUDGETS), list(DEFAULT_BUDGET_WEIGHTS))
-    assert default_budgets(tiny_config(core_bank_size=16)) == ([8, 16], [2, 4])
-    assert default_budgets(tiny_config(core_bank_size=32)) == ([8, 16, 24, 32], [1, 2, 3, 4])
-    assert default_budgets(tiny_config(core_bank_size=16, core_chunk_size=4)) == ([4, 8, 12, 16], [1, 2, 3, 4])
+    assert paper_budget_weights(8) == list(PAPER_WEIGHTS)
+    assert training_budgets(tiny_config(core_bank_size=64)) == (list(PAPER_BUDGETS), list(PAPER_WEIGHTS))
+    assert training_budgets(tiny_config(core_bank_size=16)) == ([8, 16], [2, 4])
+    assert training_budgets(tiny_config(core_bank_size=32)) == ([8, 16, 24, 32], [1, 2, 3, 4])
+    assert training_budgets(tiny_config(core_bank_size=16, core_chunk_size=4)) == ([4, 8, 12, 16], [1, 2, 3, 4])
     for count in range(1, 20):  # non-decreasing, ends at 4
         weights = paper_budget_weights(count)
         assert weights == sorted(weights) and weights[-1] == 4 and len(weights) == count

@@ -56,12 +56,12 @@ RUN = {
     ("README.md", "examples/visualize_cores.py #1"): [],
     ("README.md", "examples/visualize_features.py #1"): ["--resolutions", "64,128", "--projection", "pca"],
     ("README.md", "examples/extract_features.py #1"): [],
-    ("README.md", "veca_hf.model.convert_veca_original #1"): [],
-    ("README.md", "veca_hf.model.convert_veca_original #2"): [],
-    ("README.md", "veca_hf.export_onnx #1"): [],
-    ("docs/conversion.md", "veca_hf.model.convert_veca_original #1"): [],
+    ("README.md", "veca_hf.hub.convert_veca_original #1"): [],
+    ("README.md", "veca_hf.hub.convert_veca_original #2"): [],
+    ("README.md", "veca_hf.hub.export_onnx #1"): [],
+    ("docs/conversion.md", "veca_hf.hub.convert_veca_original #1"): [],
     ("docs/conversion.md", "veca-convert #1"): [],
-    ("docs/usage.md", "veca_hf.export_onnx #1"): [],
+    ("docs/usage.md", "veca_hf.hub.export_onnx #1"): [],
     ("docs/budget_picker.md", "examples/finetune_classification.py #1"): ["--max_steps", "2"],
     ("docs/evaluation.md", "examples/linear_probe.py #3"): ["--depth_steps", "5", "--resolutions", "64"],
     ("docs/evaluation.md", "examples/visualize_cores.py #1"): [],
@@ -109,7 +109,7 @@ NOT_RUN = {
     ("docs/training.md", "["): "a line of a job script: it reads the exit status of the launch before it",
     ("docs/results.md", "benchmarks/cpu_distillation_arms.py"): "hours: the CPU distillation study",
     ("docs/training.md", "bash"): "minutes: the README's main job",
-    ("docs/performance.md", "veca_hf.export_onnx #1"): "a sketch: its flags are elided",
+    ("docs/performance.md", "veca_hf.hub.export_onnx #1"): "a sketch: its flags are elided",
     ("docs/performance.md", "benchmarks/int8_check.py"): "minutes: the int8 speed and accuracy check on your photos",
     ("docs/training.md", "examples/distill.py"): "the Hub, a GPU, or minutes: DINOv3 teachers, several GPUs, the "
     "demo recipe's 20 steps on its downloaded data (tests/test_distill_script.py runs the script)",
@@ -139,7 +139,7 @@ def doc_commands() -> dict[tuple[str, str], str]:
         seen = Counter()
         text = path.read_text()
         blocks = re.findall(r"^```bash\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
-        # Commands written inline in the text count too (`python -m veca_hf.export_onnx --model_name_or_path ...`).
+        # Commands written inline in the text count too (`python -m veca_hf.hub.export_onnx --model_name_or_path ...`).
         blocks += [span.replace("\n", " ") for span in re.findall(r"`(python [^`]*--[^`]*)`", text)]
         for block in blocks:
             if "<<'PY'" in block:  # a here-document: one command, whatever it holds

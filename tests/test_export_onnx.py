@@ -1,4 +1,4 @@
-"""ONNX export (`python -m veca_hf.export_onnx`): one budget per file, dynamic batch, height and width; onnxruntime
+"""ONNX export (`python -m veca_hf.hub.export_onnx`): one budget per file, dynamic batch, height and width; onnxruntime
 matches PyTorch. One export of a tiny model (about 10 s on 2 CPU cores) shared by the tests below."""
 
 import pytest
@@ -12,7 +12,7 @@ onnx = pytest.importorskip("onnx")
 onnxruntime = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from veca_hf.export_onnx import export_onnx, main, verify_onnx, verify_onnx_int8  # noqa: E402
+from veca_hf.hub.export_onnx import export_onnx, main, verify_onnx, verify_onnx_int8  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -227,7 +227,7 @@ def test_webdataset_keys_are_the_ids_and_dino_models_work_too_in_bf16(tmp_path, 
     DINOv3ViTModel(tiny_dinov3_config()).save_pretrained(dino)
     VecaImageProcessor.for_resolution(32).save_pretrained(dino)  # any processor; this one gives 32 px crops
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})  # a CPU without bf16 instructions
-    with caplog.at_level(logging.WARNING, logger="veca_hf.hardware"):
+    with caplog.at_level(logging.WARNING, logger="veca_hf.cpu.hardware"):
         load_script().main(["--model_name_or_path", str(dino), "--dataset_name", str(shards),
                             "--output_dir", str(tmp_path / "out"), "--dataloader_num_workers", "0",
                             "--dtype", "bfloat16"])  # fmt: skip

@@ -20,7 +20,8 @@ from torch import nn
 from transformers import AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainingArguments
 
 from veca_hf import VecaForImageClassification, VecaImageProcessor, VecaImageProcessorPil, VecaModel
-from veca_hf.budgets import BudgetChoice, BudgetSampler, pick_budget, time_budgets
+from veca_hf.budgets import BudgetSampler
+from veca_hf.latency import BudgetChoice, pick_budget, time_budgets
 from veca_hf.metrics import available_metrics, load_metric
 from veca_hf.training.trainer import VecaTrainer, evaluate_budgets
 
@@ -184,7 +185,7 @@ def test_script_writes_a_model_card_with_accuracy_per_budget(finetuned):
 @pytest.mark.processes
 def test_a_script_without_do_train_or_do_eval_stops_instead_of_doing_nothing(tmp_path, monkeypatch):
     """`TrainingArguments` defaults both to False: the README's command once exited 0 having written nothing."""
-    from veca_hf.training.trainer import parse_finetuning_args
+    from veca_hf.training.scripts import parse_finetuning_args
 
     monkeypatch.setattr(sys, "argv", ["finetune.py", "--output_dir", str(tmp_path / "out"), "--use_cpu"])
     with pytest.raises(ValueError, match="Nothing to do: pass --do_train .*--do_eval"):
@@ -196,7 +197,7 @@ def test_a_script_without_do_train_or_do_eval_stops_instead_of_doing_nothing(tmp
 def test_resume_from_checkpoint_latest_means_the_newest_checkpoint_in_the_output_dir(tmp_path):
     """As in `examples/distill.py`: `latest` is the newest checkpoint-<step>, none yet is a fresh start, and a folder
     is passed on unchanged (Trainer itself would look for a folder called "latest")."""
-    from veca_hf.training.trainer import resume_checkpoint
+    from veca_hf.training.scripts import resume_checkpoint
 
     args = TrainingArguments(output_dir=str(tmp_path / "out"), resume_from_checkpoint="latest", use_cpu=True)
     assert resume_checkpoint(args) is None
@@ -356,7 +357,7 @@ def test_time_budgets_measures_every_budget_and_pick_budget_says_what_it_chose(c
     model = VecaModel(tiny_config())
     latencies = time_budgets(model, 32, budgets=[16, 8], warmup=0, repeats=1)
     assert list(latencies) == [8, 16] and all(ms > 0 for ms in latencies.values())
-    with caplog.at_level(logging.INFO, logger="veca_hf.budgets"):
+    with caplog.at_level(logging.INFO, logger="veca_hf.latency"):
         pick_budget(model, 32, latency_target_ms=1e6, warmup=0, repeats=1)
     assert "C=16 is the largest budget within 1e+06 ms per batch of 1 at 32x32 (C=8: " in caplog.text
 
@@ -375,7 +376,7 @@ def test_pick_budget_says_when_no_budget_is_cheaper_than_a_dense_vit(caplog):
     for side in (32, 256):  # the analytic count is what the dense twin really does
         assert dense_twin_model_flops(config, side, side) == count_flops(dense, torch.randn(1, 3, side, side))
 
-    with caplog.at_level(logging.INFO, logger="veca_hf.budgets"):
+    with caplog.at_level(logging.INFO, logger="veca_hf.latency"):
         small = pick_budget(model, 32, latency_target_ms=1e6, warmup=0, repeats=1, dense_model=dense)
     assert all(ratio > 1 for ratio in small.flops_vs_dense.values())
     assert small.flops_vs_dense[8] == veca_model_flops(config, 32, 32, 8) / dense_twin_model_flops(config, 32, 32)
@@ -385,7 +386,7 @@ def test_pick_budget_says_when_no_budget_is_cheaper_than_a_dense_vit(caplog):
     ]
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="veca_hf.budgets"):
+    with caplog.at_level(logging.INFO, logger="veca_hf.latency"):
         large = pick_budget(model, 256, latency_target_ms=1e6, warmup=0, repeats=1)
     assert large.dense_latency_ms is None and large.flops_vs_dense[8] < 1 and 8 in large.budgets_cheaper_than_dense
     assert "no budget beats" not in caplog.text
@@ -394,7 +395,7 @@ def test_pick_budget_says_when_no_budget_is_cheaper_than_a_dense_vit(caplog):
 
 
 def test_pick_budget_warns_when_no_budget_beats_the_dense_flops(caplog):
-    with caplog.at_level(logging.WARNING, logger="veca_hf.budgets"):
+    with caplog.at_level(logging.WARNING, logger="veca_hf.latency"):
         pick_budget(VecaModel(tiny_config()), 32, latency_target_ms=1e6, warmup=0, repeats=1)
     assert "no budget beats the FLOPs of a dense ViT of the same size" in caplog.text
 

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from veca_hf import hardware
+from veca_hf.cpu import hardware
 
 
 @pytest.fixture
@@ -15,7 +15,7 @@ def cpu_without_bf16(monkeypatch):
 
 
 def test_slow_bf16_warning_gives_the_measured_slowdown(cpu_without_bf16, caplog):
-    with caplog.at_level(logging.WARNING, logger="veca_hf.hardware"):
+    with caplog.at_level(logging.WARNING, logger="veca_hf.cpu.hardware"):
         text = hardware.warn_if_slow_bf16("cpu", "--dtype bf16")
     assert text is not None and text.startswith("--dtype bf16: ") and caplog.messages == [text]
     fp32, bf16 = hardware._linear_rates_gflops(torch.get_num_threads())  # cached: the numbers the text gives
@@ -26,7 +26,7 @@ def test_slow_bf16_warning_gives_the_measured_slowdown(cpu_without_bf16, caplog)
 
 def test_no_bf16_warning_where_bf16_is_fast(monkeypatch, caplog):
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-    with caplog.at_level(logging.WARNING, logger="veca_hf.hardware"):
+    with caplog.at_level(logging.WARNING, logger="veca_hf.cpu.hardware"):
         assert hardware.warn_if_slow_bf16("cpu", "--dtype bf16") is None
         assert hardware.slow_bf16_warning("cuda") is None  # GPUs are not judged by the CPU's flags
     assert caplog.messages == []
@@ -46,7 +46,7 @@ def test_probe_model_in_bf16_warns_and_keeps_bf16(cpu_without_bf16, tmp_path, ca
 
     VecaModel(tiny_config()).save_pretrained(tmp_path / "tiny")
     probe = ProbeModel(str(tmp_path / "tiny"), device="cpu", dtype=torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="veca_hf.hardware"):
+    with caplog.at_level(logging.WARNING, logger="veca_hf.cpu.hardware"):
         model = probe.model
     assert next(model.parameters()).dtype == torch.bfloat16
     assert any(message.startswith("tiny in bfloat16: this CPU") for message in caplog.messages)

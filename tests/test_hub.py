@@ -1,4 +1,4 @@
-"""`veca_hf.hub.resolve_teacher`: can the named teacher be loaded, else a clear error or (opted in) the demo's
+"""`veca_hf.hub.access.resolve_teacher`: can the named teacher be loaded, else a clear error or (opted in) the demo's
 stand-in.
 
 No network: the Hub calls are replaced by stubs and the stand-in's extraction by a recorder.
@@ -9,9 +9,9 @@ import sys
 import pytest
 from transformers.testing_utils import CaptureLogger
 
-from veca_hf import hub
+from veca_hf.hub import access as hub
 from veca_hf.demo import teacher as demo_teacher
-from veca_hf.hub import resolve_teacher
+from veca_hf.hub.access import resolve_teacher
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Credentials stay off disk: a Hub token given with `--hub_token` to any of the four example scripts is in no file the
 run writes (pickles such as `training_args.bin` included), in nothing it uploads and in nothing it prints; it reaches
 the Hub in the Authorization header only. The Hub is `tests/fake_hub.py` on 127.0.0.1 (`HF_ENDPOINT`), which records
-every request. Also: `veca_hf.hub.take_credentials` on its own and in each script, and model cards without a URL's
-credentials."""
+every request. Also: `veca_hf.hub.access.take_credentials` on its own and in each script, and model cards without a
+URL's credentials."""
 
 import importlib.util
 import json
@@ -25,8 +25,8 @@ from test_finetune import write_image_folder
 from transformers import TrainingArguments
 
 from veca_hf import VecaImageProcessor, VecaModel
-from veca_hf.hub import take_credentials
-from veca_hf.model_card import write_model_card
+from veca_hf.hub.access import take_credentials
+from veca_hf.hub.cards import write_model_card
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -357,13 +357,13 @@ def test_threads_get_the_outputs_of_one_thread(model):
 
 
 def test_threads_inside_cpu_inference_buffers(model, monkeypatch):
-    from veca_hf import inference
+    from veca_hf.cpu import buffers
 
     # All outputs count as large, so every projection takes the shared-buffer path. With one set of buffers for all
     # threads, 63 of 64 outputs of this test were wrong (threads overwrote each other's qkv between two blocks).
-    monkeypatch.setattr(inference, "FRESH_MMAP_BYTES", 0)
+    monkeypatch.setattr(buffers, "FRESH_MMAP_BYTES", 0)
     expected = [_run_job(model, job) for job in THREAD_JOBS]
-    with inference.cpu_inference_buffers(model):
+    with buffers.cpu_inference_buffers(model):
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(lambda job: _run_job(model, job), THREAD_JOBS * 2))
     for index, (hidden, _) in enumerate(results):

@@ -1,4 +1,4 @@
-"""Model cards (`veca_hf.model_card`) and the converter's Hub flags. The Hub is never called: uploads are faked."""
+"""Model cards (`veca_hf.hub.cards`) and the converter's Hub flags. The Hub is never called: uploads are faked."""
 
 from types import SimpleNamespace
 
@@ -9,8 +9,7 @@ from huggingface_hub import ModelCard
 
 from veca_hf import VecaConfig, VecaForImageClassification, VecaImageProcessor, VecaModel
 from veca_hf.flops import veca_model_flops
-from veca_hf.model.convert_veca_original import main as convert_main
-from veca_hf.model_card import (
+from veca_hf.hub.cards import (
     DINOV3_LICENSE,
     base_model_license,
     budget_metrics_from_results,
@@ -19,6 +18,7 @@ from veca_hf.model_card import (
     resolve_hub_model_id,
     write_model_card,
 )
+from veca_hf.hub.convert_veca_original import main as convert_main
 
 
 TEACHER = "facebook/dinov3-vits16-pretrain-lvd1689m"
@@ -229,8 +229,7 @@ def test_card_names_hub_ids_never_local_paths(tiny_folder, tmp_path, monkeypatch
 @pytest.mark.parametrize("hub", [False, True])
 def test_trainers_own_card_names_no_local_path(tmp_path, hub):
     """`Trainer.push_to_hub` uploads its own card before the VECA card replaces it: it gets Hub ids only."""
-    from veca_hf.budgets import BudgetArguments
-    from veca_hf.training.trainer import train_evaluate_and_publish
+    from veca_hf.training.scripts import BudgetArguments, train_evaluate_and_publish
 
     pushed = {}
 

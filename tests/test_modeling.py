@@ -644,35 +644,35 @@ def test_inactive_chunks_get_no_gradient_under_compile(pixel_values):
         assert active == [True, budget == 16]
 
 
-# --- opt-in CPU inference buffers (veca_hf.inference) -------------------------------------------------------------
+# --- opt-in CPU inference buffers (veca_hf.cpu.buffers) -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("hidden_act", ["silu", "gelu"])
 def test_cpu_inference_buffers_change_no_value(monkeypatch, hidden_act, pixel_values):
-    from veca_hf import inference
+    from veca_hf.cpu import buffers
 
     model = make_model(num_hidden_layers=3, hidden_act=hidden_act)
     with torch.no_grad():
         expected = model(pixel_values, num_core_tokens=16, output_hidden_states=True)
-    monkeypatch.setattr(inference, "FRESH_MMAP_BYTES", 0)  # the tiny model's outputs are all small
-    with torch.no_grad(), inference.cpu_inference_buffers(model):
+    monkeypatch.setattr(buffers, "FRESH_MMAP_BYTES", 0)  # the tiny model's outputs are all small
+    with torch.no_grad(), buffers.cpu_inference_buffers(model):
         actual = model(pixel_values, num_core_tokens=16, output_hidden_states=True)
     for got, want in zip(actual.hidden_states, expected.hidden_states, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # with autograd the patched modules run as usual, and leaving the context restores the class forwards
-    with inference.cpu_inference_buffers(model):
+    with buffers.cpu_inference_buffers(model):
         grad_output = model(pixel_values, num_core_tokens=16).last_hidden_state
     assert grad_output.requires_grad
     assert all("forward" not in vars(m) for m in model.modules())
 
 
 def test_cpu_inference_buffers_are_shared_across_blocks(monkeypatch):
-    from veca_hf import inference
+    from veca_hf.cpu import buffers
 
     model = make_model(num_hidden_layers=3)
-    monkeypatch.setattr(inference, "FRESH_MMAP_BYTES", 0)
+    monkeypatch.setattr(buffers, "FRESH_MMAP_BYTES", 0)
     outputs = {}
-    with torch.no_grad(), inference.cpu_inference_buffers(model):
+    with torch.no_grad(), buffers.cpu_inference_buffers(model):
         hidden_states = torch.randn(2, 20, 64)
         for layer in model.encoder.layer:
             qkv = layer.attention.qkv_proj(hidden_states)

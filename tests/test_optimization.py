@@ -102,7 +102,7 @@ def test_normuon_and_adamw_train_differently_and_stay_finite():
 
 
 def test_newton_schulz_runs_in_fp32_on_a_cpu_without_bf16_instructions(monkeypatch):
-    from veca_hf import hardware
+    from veca_hf.cpu import hardware
 
     for fast, expected in ((False, torch.float32), (True, torch.bfloat16), (None, torch.bfloat16)):
         monkeypatch.setattr(hardware, "cpu_bf16_support", lambda measure_size=None, fast=fast: {"fast_bf16": fast})

@@ -1,6 +1,8 @@
 """docs/architecture.md's package layout stays true: every module is named there, the files marked `[travels]` are
-exactly those a saved folder carries, and the low modules load neither `Trainer` nor the distillation code."""
+exactly those a saved folder carries, the model imports nothing above it, and the low modules load neither `Trainer`
+nor the distillation code."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -54,10 +56,20 @@ def test_the_files_marked_travels_are_those_a_saved_folder_carries(tmp_path):
     assert {path.name for path in tmp_path.glob("*.py")} == travels
 
 
+def test_the_model_imports_nothing_of_the_package_above_it():
+    """`model/` is the ground floor: its files import each other, torch and transformers, never the rest of veca_hf."""
+    for path in (PACKAGE / "model").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, f"{path.name} imports from above model/: {'.' * node.level}{node.module}"
+                assert node.level == 1 or not (node.module or "").startswith("veca_hf"), f"{path.name}: {node.module}"
+
+
 @pytest.mark.processes
-def test_the_converter_and_the_budgets_load_no_trainer_and_no_distillation():
+def test_the_hub_and_the_budget_modules_load_no_trainer_and_no_distillation():
     check = (
-        "import sys, veca_hf.model.convert_veca_original, veca_hf.budgets, veca_hf.model_card; "
+        "import sys, veca_hf.hub.convert_veca_original, veca_hf.hub.cards, veca_hf.hub.export_onnx, "
+        "veca_hf.budgets, veca_hf.routing, veca_hf.latency; "
         "print(sorted(m for m in sys.modules if m in ('veca_hf.training.trainer', 'veca_hf.training.distillation', "
         "'transformers.trainer')))"
     )

@@ -19,7 +19,6 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available
 
-from .allocator import cpu_allocator_state, tune_cpu_allocator
 from .model.configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .model.image_processing_pil_veca import VecaImageProcessorPil
 from .model.image_processing_veca import VecaImageProcessor
@@ -70,6 +69,4 @@ __all__ = [
     "VecaModel",
     "VecaModelOutput",
     "VecaPreTrainedModel",
-    "cpu_allocator_state",
-    "tune_cpu_allocator",
 ]

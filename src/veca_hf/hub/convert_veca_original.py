@@ -2,7 +2,7 @@
 """Convert a checkpoint of the VECA research code (arXiv 2605.12491, see docs/conversion.md) into a Hugging Face
 folder.
 
-    python -m veca_hf.model.convert_veca_original --checkpoint student.pth --output_dir veca-b16 [--push_to_hub]
+    python -m veca_hf.hub.convert_veca_original --checkpoint student.pth --output_dir veca-b16 [--push_to_hub]
 
 The size is inferred from the tensors (and cross-checked against the checkpoint's `"config"` when present). The
 folder holds `model.safetensors`, `config.json`, the image processor, the modeling code for `trust_remote_code`
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..model_card import create_hub_repo, preset_teacher, push_to_hub, resolve_hub_model_id, write_model_card
-from .configuration_veca import VecaConfig
-from .image_processing_pil_veca import VecaImageProcessorPil
-from .modeling_veca import VecaModel
+from ..model.configuration_veca import VecaConfig
+from ..model.image_processing_pil_veca import VecaImageProcessorPil
+from ..model.modeling_veca import VecaModel
+from .cards import create_hub_repo, preset_teacher, push_to_hub, resolve_hub_model_id, write_model_card
 
 
 # Reference key (after prefix stripping) -> this package's key. `{n}` stands for a layer or chunk index.
@@ -212,7 +212,7 @@ def convert_checkpoint(
 ) -> VecaModel:
     """Converts a reference checkpoint into a `VecaModel`, saved (with its image processor) to `output_dir` if given.
 
-    The saved folder gets a model card from `veca_hf.model_card.write_model_card`, called with `model_card_kwargs`
+    The saved folder gets a model card from `veca_hf.hub.cards.write_model_card`, called with `model_card_kwargs`
     (e.g. `{"datasets": [...], "measure_latency": False}`). Its `base_model` defaults to the DINOv3 teacher of the
     preset whose size the checkpoint has (`None` if it matches none).
     """
@@ -236,7 +236,7 @@ def convert_checkpoint(
         card_kwargs = {
             "base_model": preset_teacher(config),
             "description": f"Converted from the reference checkpoint `{Path(checkpoint).name}` with "
-            "`veca_hf.model.convert_veca_original`; outputs equal the research code's (see docs/conversion.md).",
+            "`veca_hf.hub.convert_veca_original`; outputs equal the research code's (see docs/conversion.md).",
             **(model_card_kwargs or {}),
         }
         write_model_card(output_dir, model=model, **card_kwargs)

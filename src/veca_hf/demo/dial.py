@@ -27,10 +27,10 @@ import PIL.ImageDraw
 import torch
 import torch.nn.functional as F
 
+from ..evaluation.core_tracing import core_attention_in_block, core_positions_per_layer
+from ..evaluation.feature_maps import image_at_resolution, project_to_rgb
+from ..evaluation.features import extract_features
 from ..flops import attention_block_flops, num_patches_for
-from .core_tracing import core_attention_in_block, core_positions_per_layer
-from .feature_maps import image_at_resolution, project_to_rgb
-from .features import extract_features
 
 
 __all__ = [

@@ -9,8 +9,8 @@ docs/performance.md, "The allocator"). With mmap off for the heap and its top ke
 `M_TRIM_THRESHOLD=1 GiB`, `M_TOP_PAD=64 MiB`), those buffers are reused from the heap like any smaller tensor. The
 values computed do not change (same kernels, same inputs).
 
-When: only when called. `veca_hf.tune_cpu_allocator()` is one line at the start of a CPU job (the project's scripts
-and benchmarks call it); the model never does, and importing `veca_hf` changes nothing: a process-wide setting is the
+When: only when called. `tune_cpu_allocator()` is one line at the start of a CPU job (the project's scripts and
+benchmarks call it); the model never does, and importing `veca_hf` changes nothing: a process-wide setting is the
 application's choice, not a library's.
 
 What it costs: the settings are process-wide and stay. Memory a process frees (up to 1 GiB at the heap's top, and

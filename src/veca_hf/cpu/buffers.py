@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from .model.modeling_veca import VecaSwiGLUMLP
+from ..model.modeling_veca import VecaSwiGLUMLP
 
 
 # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are mapped fresh on every call.

@@ -4,7 +4,7 @@
 `write_model_card(folder, ...)` writes `README.md` with `huggingface_hub.ModelCard`: Hub metadata (license,
 `library_name`, `pipeline_tag`, tags, the teacher as `base_model`, datasets), then the model's size, its training
 data, a per-budget table (quality where measured, FLOPs from `veca_hf.flops`, latency measured on the current
-device), how to load it and how to pick a budget. The converter (`veca_hf.model.convert_veca_original`),
+device), how to load it and how to pick a budget. The converter (`veca_hf.hub.convert_veca_original`),
 `examples/distill.py` and the fine-tuning scripts (`examples/finetune_*.py`, through `write_finetuned_model_card`)
 call it on the folders they save. Besides VECA's own models it takes transformers' dense heads with a VECA backbone
 (UperNet, DPT, Depth Anything).
@@ -12,7 +12,6 @@ call it on the folders they save. Besides VECA's own models it takes transformer
 `push_to_hub(folder, repo_id)` uploads such a folder (model, image processor and card) in one commit.
 """
 
-import platform
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,12 +24,12 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig, PreTrainedModel
 from transformers.utils import logging
 
-from .arguments import redact_urls
-from .budgets import time_budgets
-from .flops import veca_model_flops
-from .model.configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
-from .model.modeling_veca import VecaForImageClassification, VecaModel
-from .model.modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
+from ..arguments import redact_urls
+from ..flops import veca_model_flops
+from ..latency import time_budgets_at_resolutions
+from ..model.configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
+from ..model.modeling_veca import VecaForImageClassification, VecaModel
+from ..model.modeling_veca_dense import VecaForDepthEstimation, VecaForSemanticSegmentation
 
 
 if TYPE_CHECKING:  # NOTE: only for the annotation: the converter writes cards without loading Trainer
@@ -210,22 +209,6 @@ def push_to_hub(
     return repo_id
 
 
-def _device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    if device.type == "cpu":
-        threads = torch.get_num_threads()
-        return f"CPU ({platform.machine()}, {threads} thread{'s' if threads != 1 else ''}), torch {torch.__version__}"
-    return f"{device.type}, torch {torch.__version__}"
-
-
-def _measure_latencies(model, resolutions: Sequence[int], repeats: int) -> tuple[dict[int, dict[int, float]], str]:
-    """`{resolution: {budget: median ms}}` at batch 1, and how and where it was measured."""
-    latencies = {resolution: time_budgets(model, resolution, warmup=1, repeats=repeats) for resolution in resolutions}
-    parameter = next(model.parameters())
-    return latencies, f"{str(parameter.dtype).removeprefix('torch.')} on {_device_description(parameter.device)}"
-
-
 def is_hub_id(name: str) -> bool:
     """Whether `name` is a Hub repository id (`"name"` or `"org/name"`, as the Hub spells them) that is not a path
     that exists here: only those go into a card's metadata."""
@@ -386,7 +369,7 @@ def write_model_card(
             32 patches per side: 256 and 512 px at patch 16, 224 and 448 px at patch 14.
         measure_latency (`bool`, *optional*, defaults to `True`):
             Time every budget at each resolution (batch 1, median of `latency_repeats` passes after one warm-up,
-            with `veca_hf.budgets.pick_budget`). `False` leaves the columns out and says so in the card.
+            with `veca_hf.latency.pick_budget`). `False` leaves the columns out and says so in the card.
         latency_repeats (`int`, *optional*, defaults to 3):
             Timed passes per budget and resolution.
 
@@ -415,7 +398,7 @@ def write_model_card(
 
     latencies, latency_device = None, None
     if measure_latency:
-        latencies, latency_device = _measure_latencies(
+        latencies, latency_device = time_budgets_at_resolutions(
             model if model is not None else load_saved_model(model_dir), resolutions, latency_repeats
         )
     with torch.device("meta"):  # shapes only: counts parameters without memory or initialisation
@@ -529,8 +512,8 @@ def write_model_card(
     context = "with torch.no_grad():"
     imports = ""
     if not has_veca_code:
-        context = f"with torch.no_grad(), veca_call_defaults(model, num_core_tokens={budget}):"
-        imports = "from veca_hf.budgets import veca_call_defaults\n"
+        context = f"with torch.no_grad(), default_budget(model, {budget}):"
+        imports = "from veca_hf.routing import default_budget\n"
     if has_veca_code:
         loading = (
             "Without `veca_hf` installed, pass `trust_remote_code=True` to `from_pretrained`: the folder carries its "
@@ -556,13 +539,15 @@ def write_model_card(
     budget_setting = (
         "model.config.default_num_core_tokens = choice.num_core_tokens  # the budget pipelines and Trainer use"
     )
+    picking_imports = ""
     if not has_veca_code:
         budget_setting = "veca_config(model).default_num_core_tokens = choice.num_core_tokens  # the head's budget"
+        picking_imports = "from veca_hf.routing import veca_config\n"
     sections.append(
         "## Picking a budget\n\n"
         "Smaller budgets are cheaper and a little less accurate. `pick_budget` times every budget on the current "
         "device and returns the largest one that meets a latency target:\n\n"
-        f"```python\nfrom veca_hf.budgets import pick_budget{', veca_config' if not has_veca_code else ''}\n\n"
+        f"```python\nfrom veca_hf.latency import pick_budget\n{picking_imports}\n"
         "choice = pick_budget(model, 512, latency_target_ms=50)  # image side (or (height, width)), target per batch\n"
         "print(choice.table())\n"
         f"{budget_setting}\n```"

@@ -1,7 +1,7 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """Export a VECA folder to ONNX at one budget, with a dynamic batch size, height and width.
 
-    python -m veca_hf.export_onnx --model_name_or_path veca-b16 --num_core_tokens 16 --output veca-b16-C16.onnx
+    python -m veca_hf.hub.export_onnx --model_name_or_path veca-b16 --num_core_tokens 16 --output veca-b16-C16.onnx
 
 The budget `C` is baked into the graph (the active cores are a slice of the bank), so each file serves one budget:
 export one file per budget you serve. Height and width stay dynamic as multiples of the patch size (a grid side of
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .model.modeling_veca import VecaForImageClassification, VecaModel
-from .model_card import load_saved_model
+from ..model.modeling_veca import VecaForImageClassification, VecaModel
+from .cards import load_saved_model
 
 
 logger = logging.get_logger(__name__)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from .arguments import redact_secrets
+from ..arguments import redact_secrets
 
 
 logger = logging.get_logger(__name__)
@@ -200,7 +200,7 @@ def resolve_teacher(
         )
     if fallback_dir is None:
         raise ValueError("allow_fallback=True needs fallback_dir: the folder the stand-in teacher is extracted into.")
-    from .demo import teacher as demo_teacher  # NOTE: lazy, the demo's dependencies are needed only here
+    from ..demo import teacher as demo_teacher  # NOTE: lazy, the demo's dependencies are needed only here
 
     logger.warning(
         f"Cannot use teacher {teacher_name_or_path!r}: {reason}. Falling back to the real DINOv2-S/14 teacher "
@@ -237,7 +237,7 @@ def resolve_teacher_on_all_ranks(
     if answer[1] is not None:
         raise ValueError(answer[1])
     if Path(answer[0]) == fallback_dir and accelerator.is_local_main_process and not accelerator.is_main_process:
-        from .demo import extract_imgfocus_dinov2  # only with the opt-in (the `demo` extra)
+        from ..demo import extract_imgfocus_dinov2  # only with the opt-in (the `demo` extra)
 
         extract_imgfocus_dinov2(fallback_dir)
     accelerator.wait_for_everyone()
