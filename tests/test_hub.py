@@ -9,8 +9,8 @@ import sys
 import pytest
 from transformers.testing_utils import CaptureLogger
 
-from veca_hf.hub import access as hub
 from veca_hf.demo import teacher as demo_teacher
+from veca_hf.hub import access as hub
 from veca_hf.hub.access import resolve_teacher
 
 

@@ -7,6 +7,7 @@ from torch import nn
 from transformers import EvalPrediction
 
 from ..metrics import compute_metric
+from ..model.modeling_veca_dense import masked_depth_mse
 
 
 def _resized_like(prediction: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -25,12 +26,7 @@ def depth_loss_from_outputs(outputs, labels: torch.Tensor, num_items_in_batch=No
     NOTE: `Trainer` takes a `compute_loss_func` loss as already scaled for gradient accumulation; this one is a
     per-batch mean, so set `trainer.loss_is_scaled_for_ga = False` (the depth script does).
     """
-    predicted = _resized_like(outputs["predicted_depth"], labels)
-    labels = labels.to(predicted.dtype)
-    valid = torch.isfinite(labels) & (labels > 0)
-    if not bool(valid.any()):
-        return predicted.sum() * 0.0
-    return nn.functional.mse_loss(predicted[valid], labels[valid])
+    return masked_depth_mse(_resized_like(outputs["predicted_depth"], labels), labels)
 
 
 class _PixelMetric:

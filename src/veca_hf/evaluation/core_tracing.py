@@ -26,8 +26,7 @@ from torch import nn
 
 from ..model.positions_veca import apply_rotary_pos_emb
 from .feature_maps import project_to_rgb, resolve_projection
-from .features import _bare_model
-from .reports import _pyplot
+from .features import backbone_of
 
 
 __all__ = [
@@ -68,7 +67,7 @@ class CoreTrace:
 
 
 def _veca(model: nn.Module) -> nn.Module:
-    veca = _bare_model(model)
+    veca = backbone_of(model)
     if veca.config.model_type != "veca":
         raise ValueError(
             f"Core tracing needs a VECA model, got model_type={veca.config.model_type!r}; pass a VecaModel or a VECA "
@@ -262,17 +261,17 @@ def draw_core_attention(
         path (`str` or `os.PathLike`): the PNG to write.
         title (`str`, *optional*): a figure title.
     """
-    plt = _pyplot()
-    from matplotlib import patheffects
+    from matplotlib import colormaps, patheffects
+    from matplotlib.figure import Figure  # not pyplot: no global backend or figure state
 
     num_layers, num_shown = maps.patch_maps.shape[:2]
     num_cores = maps.core_positions.shape[1]
     width, height = image.size
     pixels = _to_pixels(maps.core_positions, width, height)  # (L, C, 2)
-    colours = plt.get_cmap("tab10")(np.arange(num_shown) % 10)
+    colours = colormaps["tab10"](np.arange(num_shown) % 10)
     cell, panel = 1.4, min(max(4.0, 1.4 * num_layers), 8.0)
     figure_size = (cell * num_shown + panel + 0.6, max(cell * num_layers, panel) + 0.6)
-    figure = plt.figure(figsize=figure_size, layout="constrained")
+    figure = Figure(figsize=figure_size, layout="constrained")
     left, right = figure.subfigures(1, 2, width_ratios=[cell * num_shown + 0.3, panel + 0.3])
     axes = left.subplots(num_layers, num_shown, squeeze=False)
     extent = (0, width, height, 0)
@@ -318,7 +317,6 @@ def draw_core_attention(
     if title:
         figure.suptitle(title, fontsize=10)
     figure.savefig(path, dpi=110)
-    plt.close(figure)
     return Path(path)
 
 
@@ -448,13 +446,14 @@ def draw_patch_core_attention(
         title (`str`, *optional*): a figure title.
         dpi (`int`, *optional*, defaults to 110): the PNG's resolution.
     """
-    plt = _pyplot()
+    from matplotlib.figure import Figure  # not pyplot: no global backend or figure state
+
     budgets = list(pictures.profiles)
     num_layers = next(iter(pictures.profiles.values())).shape[0]
     width, height = image.size
     extent = (0, width, height, 0)
     cell = 1.4
-    figure = plt.figure(figsize=(cell * (num_layers + 1) * width / height + 0.4, cell * len(budgets) + 0.8),
+    figure = Figure(figsize=(cell * (num_layers + 1) * width / height + 0.4, cell * len(budgets) + 0.8),
                         layout="constrained")  # fmt: skip
     axes = figure.subplots(len(budgets), num_layers + 1, squeeze=False)
     for row, budget in enumerate(budgets):
@@ -480,5 +479,4 @@ def draw_patch_core_attention(
     if title:
         figure.suptitle(title, fontsize=9)
     figure.savefig(path, dpi=dpi)
-    plt.close(figure)
     return Path(path)

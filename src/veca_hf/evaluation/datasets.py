@@ -61,7 +61,8 @@ FASHION_MNIST_CLASSES = [
 ]  # fmt: skip
 
 
-def _sha1(*parts: Any) -> str:
+def content_hash(*parts: Any) -> str:
+    """The SHA-1 hex digest of `parts` (bytes as they are, anything else as its `str`), each followed by a NUL byte."""
     digest = hashlib.sha1()
     for part in parts:
         digest.update(part if isinstance(part, bytes) else str(part).encode())
@@ -244,7 +245,7 @@ class ImageSet:
         """The cache identity of the images (computed once)."""
         if self.fingerprint is None:
             if isinstance(self.images, np.ndarray):
-                self.fingerprint = _sha1("array", _item_fingerprint(self.images))
+                self.fingerprint = content_hash("array", _item_fingerprint(self.images))
             else:
                 digest = hashlib.sha1()
                 for item in self.images:
@@ -263,7 +264,7 @@ class ImageSet:
             images = [self.images[i] for i in indices]
         masks = None if self.masks is None else [self.masks[i] for i in indices]
         labels = None if self.labels is None else self.labels[indices]
-        fingerprint = None if self.fingerprint is None else _sha1(self.fingerprint, indices)
+        fingerprint = None if self.fingerprint is None else content_hash(self.fingerprint, indices)
         depths = self.depths
         if depths is not None:
             depths = depths.subset(indices) if hasattr(depths, "subset") else [depths[i] for i in indices]
@@ -431,7 +432,7 @@ def hub_image_classification(
     labels = np.asarray(dataset.with_format("numpy")[label_column], dtype=np.int64)
     feature = dataset.features[label_column]
     class_names = list(feature.names) if hasattr(feature, "names") else None
-    fingerprint = _sha1("datasets", dataset_name, dataset_config_name, split, dataset._fingerprint)  # its content hash
+    fingerprint = content_hash("datasets", dataset_name, dataset_config_name, split, dataset._fingerprint)  # its content hash
     return ImageSet(_DatasetColumn(dataset, image_column), labels, class_names=class_names, fingerprint=fingerprint)
 
 
@@ -539,14 +540,14 @@ def depth_dataset(
 
     if isinstance(source, datasets.Dataset):
         dataset, name = source, f"the dataset {source._fingerprint}"
-        fingerprint = _sha1("datasets", source._fingerprint)
+        fingerprint = content_hash("datasets", source._fingerprint)
     else:
         name = os.fspath(source)
         if name.endswith(".parquet") and Path(name).is_file():
             dataset = datasets.load_dataset("parquet", data_files=name, split="train")
         else:
             dataset = datasets.load_dataset(name, dataset_config_name, split=split)
-        fingerprint = _sha1("datasets", name, dataset_config_name, split, dataset._fingerprint)  # its content hash
+        fingerprint = content_hash("datasets", name, dataset_config_name, split, dataset._fingerprint)  # its content hash
     image_column = _pick_column(dataset.column_names, image_column, IMAGE_COLUMNS, "image", name)
     depth_column = _pick_column(dataset.column_names, depth_column, DEPTH_COLUMNS, "depth", name)
     images = _DatasetColumn(dataset.select_columns([image_column]), image_column)

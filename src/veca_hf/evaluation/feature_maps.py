@@ -26,7 +26,6 @@ from transformers.utils import logging
 
 from ..model.image_processing_pil_veca import VecaImageProcessorPil
 from .features import ProbeModel, check_resolutions, extract_features
-from .reports import _pyplot
 
 
 logger = logging.get_logger(__name__)
@@ -388,14 +387,13 @@ def draw_feature_pictures(
         alpha (`float`, *optional*, defaults to 0.6): the colours' opacity over the image.
         dpi (`int`, *optional*, defaults to 100): the PNG's resolution.
     """
-    plt = _pyplot()
+    from matplotlib.figure import Figure  # not pyplot: no global backend or figure state
+
     num_rows, num_resolutions = len(pictures.rows), len(pictures.resolutions)
     first = pictures.rows[0].pictures[0]
     aspect = first.image.width / first.image.height
     cell = 1.3
-    figure = plt.figure(
-        figsize=(3 * num_resolutions * cell * aspect + 1.4, num_rows * cell + 0.9), layout="constrained"
-    )
+    figure = Figure(figsize=(3 * num_resolutions * cell * aspect + 1.4, num_rows * cell + 0.9), layout="constrained")
     axes = figure.subplots(num_rows, 3 * num_resolutions, squeeze=False)
     panels = ("features", "over image", "cos(global, patch)")
     for row_index, row in enumerate(pictures.rows):
@@ -431,7 +429,6 @@ def draw_feature_pictures(
     if title:
         figure.suptitle(title, fontsize=9)
     figure.savefig(path, dpi=dpi)
-    plt.close(figure)
     return Path(path)
 
 

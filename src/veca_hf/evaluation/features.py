@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModel
 from transformers.utils import logging
 
 from ..cpu.hardware import warn_if_slow_bf16
-from .datasets import ImageSet, _sha1, preprocess_image
+from .datasets import ImageSet, content_hash, preprocess_image
 
 
 logger = logging.get_logger(__name__)
@@ -67,7 +67,7 @@ def _num_prefix_tokens(config) -> int:
     return 1 + (getattr(config, "num_register_tokens", 0) or 0)
 
 
-def _bare_model(model: nn.Module) -> nn.Module:
+def backbone_of(model: nn.Module) -> nn.Module:
     """The backbone itself: the model `AutoModel` returns, or the one inside a VECA / DINOv2 head model.
 
     NOTE: not `model.base_model`: in transformers 5 a `DINOv3ViTModel`'s `base_model` is its encoder.
@@ -114,12 +114,12 @@ def extract_features(
     batch_size, _, height, width = pixel_values.shape
     grid = (height // config.patch_size, width // config.patch_size)
     if config.model_type == "veca":
-        outputs = _bare_model(model)(pixel_values, num_core_tokens=num_core_tokens, return_dict=True)
+        outputs = backbone_of(model)(pixel_values, num_core_tokens=num_core_tokens, return_dict=True)
         num_prefix = outputs.core_positions.shape[1]
     else:
         if num_core_tokens is not None:
             raise ValueError(f"num_core_tokens only applies to VECA models, not to {config.model_type}.")
-        outputs = _bare_model(model)(pixel_values=pixel_values)
+        outputs = backbone_of(model)(pixel_values=pixel_values)
         num_prefix = _num_prefix_tokens(config)
     tokens = outputs.last_hidden_state  # (B, prefix + Hp * Wp, D)
     if tokens.shape[1] != num_prefix + grid[0] * grid[1]:
@@ -226,7 +226,7 @@ class ProbeModel:
                 parts.append(f"{file.name}|{stat.st_size}|{stat.st_mtime_ns}")
         else:
             parts.append(getattr(self.config, "_commit_hash", None) or "")
-        return _sha1(*parts)[:16]
+        return content_hash(*parts)[:16]
 
     def budgets(self, requested: Sequence[int] | None) -> list[int | None]:
         """VECA: the requested budgets, checked (all of the model's when `None`); other models: `[None]`."""
@@ -263,7 +263,7 @@ def _code_fingerprint(config) -> str:
     if config.model_type == "veca":
         from ..model import modeling_veca
 
-        return _sha1(Path(modeling_veca.__file__).read_bytes())
+        return content_hash(Path(modeling_veca.__file__).read_bytes())
     import transformers
 
     return f"transformers {transformers.__version__}"

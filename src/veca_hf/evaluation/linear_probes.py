@@ -27,6 +27,7 @@ from torch import nn
 from transformers.utils import logging
 
 from ..arguments import canonical_dtype
+from ..model.modeling_veca_dense import masked_depth_mse
 from .datasets import IGNORE_INDEX, ImageSet
 from .features import FeatureCache, ProbeModel, check_resolutions
 from .knn import knn_classify
@@ -319,11 +320,8 @@ def _valid_depth(depths: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_squared_error(outputs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """Mean squared error over the pixels with ground truth: `(B, 1, Hm, Wm), (B, Hm, Wm) -> ()`; 0 if none."""
-    valid = _valid_depth(depths)
-    if not bool(valid.any()):
-        return outputs.sum() * 0.0  # a batch of crops without ground truth: no signal, but a valid graph
-    return F.mse_loss(outputs[:, 0][valid], depths[valid])
+    """The probe's depth loss: `(B, 1, Hm, Wm), (B, Hm, Wm) -> ()`, the fine-tuning heads' [`masked_depth_mse`]."""
+    return masked_depth_mse(outputs[:, 0], depths)
 
 
 def train_linear_depth_estimator(

@@ -84,17 +84,8 @@ def results_markdown(results: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save_metric_plot(plt, figure, axis, task: str, against: str, xlabel: str, path: str | os.PathLike) -> Path:
-    """Labels, title, grid and legend shared by the metric plots; writes the PNG and closes the figure."""
+def _save_metric_plot(figure, axis, task: str, against: str, xlabel: str, path: str | os.PathLike) -> Path:
+    """Labels, title, grid and legend shared by the metric plots; writes the PNG."""
     axis.set_xlabel(xlabel)
     axis.set_ylabel(METRIC_LABELS[TASK_METRICS[task]])
     axis.set_title(f"{TASK_TITLES[task]}: {'k-NN' if task == 'knn' else 'linear probe'} vs {against}")
@@ -102,21 +93,23 @@ def _save_metric_plot(plt, figure, axis, task: str, against: str, xlabel: str, p
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return Path(path)
 
 
 def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path: str | os.PathLike) -> Path:
     """`task`'s metric (% for fractions) against the VECA budget, one line per model and resolution; models without
     budgets are dashed horizontal lines (the teacher column of the paper's tables)."""
-    plt = _pyplot()
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # not pyplot: no global backend or figure state
+
     rows = [r for r in results if r["task"] == task]
     resolutions = sorted({r["resolution"] for r in rows})
     colours = dict(
-        zip(resolutions, plt.get_cmap("viridis")(np.linspace(0, 0.85, max(1, len(resolutions)))), strict=False)
+        zip(resolutions, colormaps["viridis"](np.linspace(0, 0.85, max(1, len(resolutions)))), strict=False)
     )
     markers = iter("osD^vP*X" * 4)
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure = Figure(figsize=(6, 4))
+    axis = figure.subplots()
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     for model in dict.fromkeys(r["model"] for r in rows):
         model_rows = [r for r in rows if r["model"] == model]
@@ -134,21 +127,24 @@ def plot_metric_vs_budget(results: Sequence[Mapping[str, Any]], task: str, path:
     axis.set_xscale("log", base=2)
     if budgets:
         axis.set_xticks(budgets, [str(b) for b in budgets])
-    return _save_metric_plot(plt, figure, axis, task, "budget", "budget C (active cores)", path)
+    return _save_metric_plot(figure, axis, task, "budget", "budget C (active cores)", path)
 
 
 def plot_metric_vs_resolution(results: Sequence[Mapping[str, Any]], task: str, path: str | os.PathLike) -> Path:
     """`task`'s metric (% for fractions) against the resolution, one line per model and budget (dashed for models
     without)."""
-    plt = _pyplot()
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # not pyplot: no global backend or figure state
+
     rows = [r for r in results if r["task"] == task]
     lines = list(dict.fromkeys((r["model"], r["budget"]) for r in rows))
     budgets = sorted({b for _, b in lines if b is not None})
-    colours = dict(zip(budgets, plt.get_cmap("plasma")(np.linspace(0, 0.85, max(1, len(budgets)))), strict=False))
+    colours = dict(zip(budgets, colormaps["plasma"](np.linspace(0, 0.85, max(1, len(budgets)))), strict=False))
     markers = {
         model: marker for model, marker in zip(dict.fromkeys(m for m, _ in lines), "osD^vP*X" * 4, strict=False)
     }
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure = Figure(figsize=(6, 4))
+    axis = figure.subplots()
     for model, budget in lines:
         here = [r for r in rows if r["model"] == model and r["budget"] == budget]
         points = sorted((r["resolution"], _scale(task) * r["value"]) for r in here)
@@ -159,7 +155,7 @@ def plot_metric_vs_resolution(results: Sequence[Mapping[str, Any]], task: str, p
         )
     resolutions = sorted({r["resolution"] for r in rows})
     axis.set_xticks(resolutions, [str(r) for r in resolutions])
-    return _save_metric_plot(plt, figure, axis, task, "resolution", "resolution (px)", path)
+    return _save_metric_plot(figure, axis, task, "resolution", "resolution (px)", path)
 
 
 def write_reports(

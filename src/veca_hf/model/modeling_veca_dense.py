@@ -69,6 +69,25 @@ def _check_target_size(labels: torch.Tensor, pixel_values: torch.Tensor, name: s
         )
 
 
+def masked_depth_mse(
+    predicted_depth: torch.Tensor, depth: torch.Tensor, pixel_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """
+    The depth loss: mean squared error over the pixels with ground truth, `(B, H, W), (B, H, W) -> ()`.
+
+    A pixel counts where its depth is finite and positive (0 or NaN marks pixels without one) and, with `pixel_mask`,
+    where the mask is non-zero (padding). A batch without any such pixel gives 0 with a graph of zeros, so a step on
+    it changes nothing but still runs under DDP.
+    """
+    depth = depth.to(predicted_depth.device, predicted_depth.dtype)
+    valid = torch.isfinite(depth) & (depth > 0)
+    if pixel_mask is not None:
+        valid &= pixel_mask.to(valid.device) != 0
+    if not bool(valid.any()):
+        return predicted_depth.sum() * 0.0
+    return nn.functional.mse_loss(predicted_depth[valid], depth[valid])
+
+
 class VecaDensePreTrainedModel(VecaPreTrainedModel):
     """A `VecaModel` and one linear layer on `[patch; global]`, upsampled to the input: the trunk of both heads."""
 
@@ -182,14 +201,7 @@ class VecaForDepthEstimation(VecaDensePreTrainedModel):
         loss = None
         if labels is not None:
             _check_target_size(labels, pixel_values, "labels")
-            labels = labels.to(predicted_depth.device, predicted_depth.dtype)
-            valid = torch.isfinite(labels) & (labels > 0)
-            if pixel_mask is not None:
-                valid &= pixel_mask.to(valid.device) != 0
-            if bool(valid.any()):
-                loss = nn.functional.mse_loss(predicted_depth[valid], labels[valid])
-            else:  # no ground truth in the batch
-                loss = predicted_depth.sum() * 0.0
+            loss = masked_depth_mse(predicted_depth, labels, pixel_mask)
         return DepthEstimatorOutput(
             loss=loss,
             predicted_depth=predicted_depth,
@@ -198,4 +210,4 @@ class VecaForDepthEstimation(VecaDensePreTrainedModel):
         )
 
 
-__all__ = ["VecaForDepthEstimation", "VecaForSemanticSegmentation", "upsample_patch_logits"]
+__all__ = ["VecaForDepthEstimation", "VecaForSemanticSegmentation", "masked_depth_mse", "upsample_patch_logits"]
