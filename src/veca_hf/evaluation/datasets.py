@@ -432,7 +432,8 @@ def hub_image_classification(
     labels = np.asarray(dataset.with_format("numpy")[label_column], dtype=np.int64)
     feature = dataset.features[label_column]
     class_names = list(feature.names) if hasattr(feature, "names") else None
-    fingerprint = content_hash("datasets", dataset_name, dataset_config_name, split, dataset._fingerprint)  # datasets' own hash
+    # `dataset._fingerprint` is datasets' own hash of the content
+    fingerprint = content_hash("datasets", dataset_name, dataset_config_name, split, dataset._fingerprint)
     return ImageSet(_DatasetColumn(dataset, image_column), labels, class_names=class_names, fingerprint=fingerprint)
 
 
@@ -547,7 +548,7 @@ def depth_dataset(
             dataset = datasets.load_dataset("parquet", data_files=name, split="train")
         else:
             dataset = datasets.load_dataset(name, dataset_config_name, split=split)
-        fingerprint = content_hash("datasets", name, dataset_config_name, split, dataset._fingerprint)  # datasets' own hash
+        fingerprint = content_hash("datasets", name, dataset_config_name, split, dataset._fingerprint)
     image_column = _pick_column(dataset.column_names, image_column, IMAGE_COLUMNS, "image", name)
     depth_column = _pick_column(dataset.column_names, depth_column, DEPTH_COLUMNS, "depth", name)
     images = _DatasetColumn(dataset.select_columns([image_column]), image_column)
