@@ -258,7 +258,7 @@ def block_cases(args, veca_config, dinov3_config, device, dtype) -> list[Case]:
         return call
 
     def block_flops(c, r, b):
-        cores = dict(num_prefix_tokens=prefix) if c is None else dict(num_cores=c)
+        cores = dict(num_prefix_tokens=prefix) if c is None else dict(num_core_tokens=c)
         return attention_block_flops(veca_config.hidden_size, num_patches_for(r, r, patch), batch_size=b, **cores)
 
     def counted_block_flops(c, r, b):

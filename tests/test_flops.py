@@ -82,7 +82,7 @@ def count_dinov3_block(size: str, resolution: int) -> int:
 
 def test_veca_b_block_1024_matches_spec_and_formula():
     counted = count_veca_block("B", 1024)
-    analytic = attention_block_flops(768, 64 * 64, num_cores=64)
+    analytic = attention_block_flops(768, 64 * 64, num_core_tokens=64)
     assert counted == analytic
     assert counted / 1e9 == pytest.approx(21.253, rel=1e-3)
     assert counted == 8 * 4160 * 768**2 + 4 * (64 * 4160 + 4096 * 64) * 768
@@ -100,7 +100,7 @@ def test_block_table_analytic(size, model):
     for resolution, expected in zip(RESOLUTIONS, PAPER_BLOCK_GFLOPS[(size, model)], strict=True):
         num_patches = (resolution // 16) ** 2
         if model == "VECA":
-            flops = attention_block_flops(hidden_size, num_patches, num_cores=NUM_CORES)
+            flops = attention_block_flops(hidden_size, num_patches, num_core_tokens=NUM_CORES)
         else:
             flops = attention_block_flops(hidden_size, num_patches, num_prefix_tokens=DINOV3_PREFIX_TOKENS)
         # the paper rounds to 3 decimals; the formulas reproduce every entry to that rounding
@@ -116,7 +116,7 @@ def test_block_table_counted(size):
     ):
         num_patches = (resolution // 16) ** 2
         counted = count_veca_block(size, resolution)
-        assert counted == attention_block_flops(hidden_size, num_patches, num_cores=NUM_CORES)
+        assert counted == attention_block_flops(hidden_size, num_patches, num_core_tokens=NUM_CORES)
         assert counted / 1e9 == pytest.approx(veca, rel=1e-2)
         counted = count_dinov3_block(size, resolution)
         assert counted == attention_block_flops(hidden_size, num_patches, num_prefix_tokens=DINOV3_PREFIX_TOKENS)
@@ -132,10 +132,12 @@ def test_block_veca_cheaper_than_dense_at_high_resolution_only():
 
 
 def test_block_flops_arguments():
-    assert attention_block_flops(64, 12, num_cores=8, batch_size=3) == 3 * attention_block_flops(64, 12, num_cores=8)
+    assert attention_block_flops(64, 12, num_core_tokens=8, batch_size=3) == 3 * attention_block_flops(
+        64, 12, num_core_tokens=8
+    )
     assert attention_block_flops(64, 12) == 8 * 12 * 64**2 + 4 * 12**2 * 64
     with pytest.raises(ValueError):
-        attention_block_flops(64, 12, num_cores=8, num_prefix_tokens=5)
+        attention_block_flops(64, 12, num_core_tokens=8, num_prefix_tokens=5)
     assert num_patches_for(64, 48, 16) == 12
     with pytest.raises(ValueError):
         num_patches_for(64, 40, 16)
@@ -235,7 +237,7 @@ def test_flops_grow_with_budget():
     config = VecaConfig.from_preset("veca-b16")
     analytic = [veca_model_flops(config, 1024, 1024, c) for c in config.budgets]
     assert all(a < b for a, b in zip(analytic, analytic[1:], strict=False))
-    blocks = [attention_block_flops(768, 4096, num_cores=c) for c in config.budgets]
+    blocks = [attention_block_flops(768, 4096, num_core_tokens=c) for c in config.budgets]
     assert all(a < b for a, b in zip(blocks, blocks[1:], strict=False))
 
 

@@ -68,15 +68,15 @@ def num_patches_for(height: int, width: int, patch_size: int) -> int:
 def attention_block_flops(
     hidden_size: int,
     num_patches: int,
-    num_cores: int | None = None,
+    num_core_tokens: int | None = None,
     num_prefix_tokens: int = 0,
     batch_size: int = 1,
 ) -> int:
     """FLOPs of one attention block: the q/k/v/out projections plus the two attention matmuls (scores and values).
 
-    - VECA (`num_cores=C`): `8 T D^2 + 4 (C T + N C) D` with `T = N + C`: the cores attend to all `T` tokens, the
+    - VECA (`num_core_tokens=C`): `8 T D^2 + 4 (C T + N C) D` with `T = N + C`: the cores attend to all `T` tokens, the
       patches to the `C` cores only.
-    - dense (`num_cores=None`): `8 T D^2 + 4 T^2 D` with `T = N + num_prefix_tokens`. For DINOv3 pass
+    - dense (`num_core_tokens=None`): `8 T D^2 + 4 T^2 D` with `T = N + num_prefix_tokens`. For DINOv3 pass
       `num_prefix_tokens=5` (1 CLS + 4 registers): that reproduces the DINOv3 column of the paper's attention-block
       FLOP table exactly.
 
@@ -85,7 +85,7 @@ def attention_block_flops(
     Args:
         hidden_size (`int`): Width `D`.
         num_patches (`int`): Number of patches `N`.
-        num_cores (`int`, *optional*): Active cores `C` for VECA; `None` for dense attention.
+        num_core_tokens (`int`, *optional*): Active cores `C` for VECA; `None` for dense attention.
         num_prefix_tokens (`int`, *optional*, defaults to 0): Dense only: tokens in front of the patches (CLS,
             registers). Must be 0 for VECA, whose only extra tokens are the cores.
         batch_size (`int`, *optional*, defaults to 1): Every count scales linearly with it.
@@ -98,7 +98,7 @@ def attention_block_flops(
     ```python
     >>> from veca_hf.flops import attention_block_flops
 
-    >>> round(attention_block_flops(768, 64 * 64, num_cores=64) / 1e9, 3)  # VECA-B, 1024 px
+    >>> round(attention_block_flops(768, 64 * 64, num_core_tokens=64) / 1e9, 3)  # VECA-B, 1024 px
     21.253
     >>> round(attention_block_flops(768, 64 * 64, num_prefix_tokens=5) / 1e9, 3)  # DINOv3-B, 1024 px
     71.016
@@ -106,15 +106,20 @@ def attention_block_flops(
     ```
     """
     hidden_size, num_patches = int(hidden_size), int(num_patches)
-    if num_cores is None:
+    if num_core_tokens is None:
         num_tokens = num_patches + int(num_prefix_tokens)
         flops = 8 * num_tokens * hidden_size**2 + 4 * num_tokens**2 * hidden_size
     else:
         if num_prefix_tokens:
-            raise ValueError("num_prefix_tokens is for dense attention; VECA's only extra tokens are its num_cores.")
-        num_cores = int(num_cores)
-        num_tokens = num_patches + num_cores
-        flops = 8 * num_tokens * hidden_size**2 + 4 * (num_cores * num_tokens + num_patches * num_cores) * hidden_size
+            raise ValueError(
+                "num_prefix_tokens is for dense attention; VECA's only extra tokens are its num_core_tokens."
+            )
+        num_core_tokens = int(num_core_tokens)
+        num_tokens = num_patches + num_core_tokens
+        flops = (
+            8 * num_tokens * hidden_size**2
+            + 4 * (num_core_tokens * num_tokens + num_patches * num_core_tokens) * hidden_size
+        )
     return batch_size * flops
 
 
@@ -153,7 +158,7 @@ def veca_model_flops(
     num_tokens = num_patches + num_core_tokens
 
     patch_embedding = 2 * num_patches * hidden_size * config.num_channels * patch_size**2
-    attention = attention_block_flops(hidden_size, num_patches, num_cores=num_core_tokens)
+    attention = attention_block_flops(hidden_size, num_patches, num_core_tokens=num_core_tokens)
     mlp = 6 * num_tokens * hidden_size * intermediate_size
     coordinate_head = 2 * num_core_tokens * hidden_size * 2
     total = patch_embedding + num_layers * (attention + mlp) + (num_layers - 1) * coordinate_head

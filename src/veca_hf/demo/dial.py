@@ -168,7 +168,7 @@ def attention_cost(config, budget: int, resolutions: Sequence[int]) -> list[dict
     rows = []
     for resolution in resolutions:
         patches = num_patches_for(resolution, resolution, config.patch_size)
-        veca = config.num_hidden_layers * attention_block_flops(config.hidden_size, patches, num_cores=budget)
+        veca = config.num_hidden_layers * attention_block_flops(config.hidden_size, patches, num_core_tokens=budget)
         dense = config.num_hidden_layers * attention_block_flops(config.hidden_size, patches, num_prefix_tokens=1)
         rows.append({"resolution": resolution, "veca_flops": veca, "dense_flops": dense, "ratio": veca / dense})
     return rows
