@@ -38,8 +38,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification
 import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
 from veca_hf.data import build_transform
 from veca_hf.metrics import load_metric
-from veca_hf.training.scripts import budget_sampler_from_args, parse_finetuning_args, train_evaluate_and_publish
-from veca_hf.training.trainer import VecaTrainer
+from veca_hf.training.scripts import finetuning_trainer, parse_finetuning_args, train_evaluate_and_publish
 
 
 logger = logging.getLogger(__name__)
@@ -162,30 +161,25 @@ def main():
             )
         dataset["validation"] = dataset["validation"].with_transform(transform_batch(eval_transform))
 
-    # Budgets: per-step sampling or one fixed budget for training; a sweep for evaluation.
-    budget_sampler = budget_sampler_from_args(budget_args, model, seed=training_args.seed)
-
     accuracy = load_metric("accuracy")
 
     def compute_metrics(prediction: transformers.EvalPrediction) -> dict[str, float]:
         return accuracy.compute(predictions=np.argmax(prediction.predictions, axis=1), references=prediction.label_ids)
 
-    trainer = VecaTrainer(
-        model=model,
-        args=training_args,
+    # Budgets: per-step sampling or one fixed budget for training; a sweep for evaluation.
+    trainer = finetuning_trainer(
+        model,
+        training_args,
+        budget_args,
         train_dataset=dataset["train"] if training_args.do_train else None,
         eval_dataset=dataset["validation"] if training_args.do_eval else None,
         compute_metrics=compute_metrics,
         processing_class=image_processor,
         data_collator=collate_fn,
-        num_core_tokens=budget_args.num_core_tokens,
-        budget_sampler=budget_sampler,
     )
-
     train_evaluate_and_publish(
         trainer,
         budget_args,
-        budget_sampler,
         base_model=model_args.model_name_or_path,
         datasets=data_args.dataset_name or data_args.train_dir,
         hub_dataset=data_args.dataset_name,

@@ -39,19 +39,14 @@ import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
 from veca_hf.budgets import parse_number_list
 from veca_hf.dense import (
     DEPTH_HEADS,
-    DenseCollator,
     DenseDataArguments,
     DenseModelArguments,
-    DenseTransform,
     DepthMetrics,
-    build_dense_processor,
     build_depth_model,
-    depth_loss_from_outputs,
-    freeze_backbone,
+    finetune_dense,
     mean_depth,
 )
-from veca_hf.training.scripts import budget_sampler_from_args, parse_finetuning_args, train_evaluate_and_publish
-from veca_hf.training.trainer import VecaTrainer
+from veca_hf.training.scripts import parse_finetuning_args
 
 
 logger = logging.getLogger(__name__)
@@ -59,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelArguments(DenseModelArguments):
-    """Which model to fine-tune, and its head (the shared flags of `veca_hf.dense.DenseModelArguments`)."""
+    """Which model to fine-tune for depth estimation, and its head (`veca_hf.dense.DenseModelArguments`' flags)."""
 
     head: str = field(default="linear", metadata={"help": "linear, dpt or depth_anything.", "choices": DEPTH_HEADS})
     max_depth: int = field(default=10, metadata={"help": "Depth Anything's largest depth (10 NYUv2, 80 KITTI)."})
@@ -77,14 +72,15 @@ class DataTrainingArguments(DenseDataArguments):
 
 
 def main():
-    model_args, data_args, budget_args, training_args = parse_finetuning_args(
-        (ModelArguments, DataTrainingArguments), logger, batch_eval_metrics=True
-    )
+    arguments = parse_finetuning_args((ModelArguments, DataTrainingArguments), logger, batch_eval_metrics=True)
+    model_args, data_args, budget_args, training_args = arguments
 
     target = ("--depth_column", data_args.depth_column)
     train, validation = data_args.load_splits(training_args, target, model_args.cache_dir)
+    initial_depth = None
+    if train is not None and model_args.head == "linear":  # a new linear head starts at the mean training depth
+        initial_depth = mean_depth(train, data_args.depth_column, data_args.depth_scale)
 
-    hub = {"cache_dir": model_args.cache_dir, "revision": model_args.model_revision}
     model = build_depth_model(
         model_args.model_name_or_path,
         model_args.head,
@@ -92,59 +88,21 @@ def main():
         out_indices=parse_number_list(model_args.backbone_out_indices),
         head_hidden_size=model_args.head_hidden_size,
         max_depth=model_args.max_depth,
-        initial_depth=mean_depth(train, data_args.depth_column, data_args.depth_scale)
-        if train is not None and model_args.head == "linear"
-        else None,
-        **hub,
+        initial_depth=initial_depth,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
     )
-    if model_args.freeze_backbone:
-        freeze_backbone(model)
-    image_processor = build_dense_processor(
-        model_args.model_name_or_path, data_args.shortest_edge, data_args.longest_edge, **hub
-    )
-
-    def transform(split: str, train_mode: bool) -> DenseTransform:
-        return DenseTransform(
-            image_processor,
-            "depth",
-            data_args.image_column_name,
-            data_args.depth_column,
-            depth_scale=data_args.depth_scale,
-            train=train_mode,
-            split=split,
-        )
-
-    metrics = DepthMetrics()
-    budget_sampler = budget_sampler_from_args(budget_args, model, seed=training_args.seed)
-    trainer = VecaTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train.with_transform(transform("train", True)) if train is not None else None,
-        eval_dataset=validation.with_transform(transform("validation", False)) if validation is not None else None,
-        compute_metrics=metrics,
-        preprocess_logits_for_metrics=metrics.preprocess_logits,
-        processing_class=image_processor,
-        data_collator=DenseCollator(label_pad_value=0.0),  # 0: no ground truth
-        num_core_tokens=budget_args.num_core_tokens,
-        budget_sampler=budget_sampler,
-        # transformers' DPT and Depth Anything raise on `labels`: the loss is computed here instead
-        compute_loss_func=None if model_args.head == "linear" else depth_loss_from_outputs,
-    )
-    if model_args.head != "linear":
-        trainer.loss_is_scaled_for_ga = False  # a per-batch mean: Trainer divides it by the accumulation steps
-
-    train_evaluate_and_publish(
-        trainer,
-        budget_args,
-        budget_sampler,
-        base_model=model_args.model_name_or_path,
-        datasets=data_args.source,
-        hub_dataset=data_args.source,
-        task="depth-estimation",
+    finetune_dense(
+        "depth",
+        model,
+        arguments,
+        (train, validation),
+        DepthMetrics(),
+        target_column=data_args.depth_column,
+        label_pad_value=0.0,  # 0: no ground truth
         metrics_description="RMSE, absolute relative error and delta < 1.25 over the validation pixels with a depth "
         f"(at the training resolution, short side {data_args.shortest_edge}), and the squared-error loss",
-        description=f"Fine-tuned for depth estimation ({model_args.head} head) from its base model (below) with "
-        "`examples/finetune_depth.py`.",
+        depth_scale=data_args.depth_scale,
     )
 
 

@@ -41,18 +41,14 @@ import veca_hf  # noqa: F401 (registers VECA with the Auto classes)
 from veca_hf.budgets import parse_number_list
 from veca_hf.dense import (
     SEGMENTATION_HEADS,
-    DenseCollator,
     DenseDataArguments,
     DenseModelArguments,
-    DenseTransform,
     SegmentationMetrics,
-    build_dense_processor,
     build_segmentation_model,
-    freeze_backbone,
+    finetune_dense,
     resolve_id2label,
 )
-from veca_hf.training.scripts import budget_sampler_from_args, parse_finetuning_args, train_evaluate_and_publish
-from veca_hf.training.trainer import VecaTrainer
+from veca_hf.training.scripts import parse_finetuning_args
 
 
 logger = logging.getLogger(__name__)
@@ -60,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelArguments(DenseModelArguments):
-    """Which model to fine-tune, and its head (the shared flags of `veca_hf.dense.DenseModelArguments`)."""
+    """Which model to fine-tune for semantic segmentation, and its head (`DenseModelArguments`' flags)."""
 
     head: str = field(default="linear", metadata={"help": "linear or upernet.", "choices": SEGMENTATION_HEADS})
 
@@ -78,9 +74,8 @@ class DataTrainingArguments(DenseDataArguments):
 
 
 def main():
-    model_args, data_args, budget_args, training_args = parse_finetuning_args(
-        (ModelArguments, DataTrainingArguments), logger, batch_eval_metrics=True
-    )
+    arguments = parse_finetuning_args((ModelArguments, DataTrainingArguments), logger, batch_eval_metrics=True)
+    model_args, data_args, budget_args, training_args = arguments
 
     target = ("--label_column_name", data_args.label_column_name)
     train, validation = data_args.load_splits(training_args, target, model_args.cache_dir)
@@ -90,7 +85,6 @@ def main():
     )
     logger.info(f"{len(id2label)} classes: {id2label}")
 
-    hub = {"cache_dir": model_args.cache_dir, "revision": model_args.model_revision}
     model = build_segmentation_model(
         model_args.model_name_or_path,
         model_args.head,
@@ -99,53 +93,21 @@ def main():
         num_core_tokens=budget_args.num_core_tokens,
         out_indices=parse_number_list(model_args.backbone_out_indices),
         head_hidden_size=model_args.head_hidden_size,
-        **hub,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
     )
-    if model_args.freeze_backbone:
-        freeze_backbone(model)
-    image_processor = build_dense_processor(
-        model_args.model_name_or_path, data_args.shortest_edge, data_args.longest_edge, **hub
-    )
-
-    def transform(split: str, train_mode: bool) -> DenseTransform:
-        return DenseTransform(
-            image_processor,
-            "segmentation",
-            data_args.image_column_name,
-            data_args.label_column_name,
-            num_labels=len(id2label),
-            train=train_mode,
-            split=split,
-            **label_options,
-        )
-
-    metrics = SegmentationMetrics(len(id2label), data_args.ignore_index)
-    budget_sampler = budget_sampler_from_args(budget_args, model, seed=training_args.seed)
-    trainer = VecaTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train.with_transform(transform("train", True)) if train is not None else None,
-        eval_dataset=validation.with_transform(transform("validation", False)) if validation is not None else None,
-        compute_metrics=metrics,
-        preprocess_logits_for_metrics=metrics.preprocess_logits,
-        processing_class=image_processor,
-        data_collator=DenseCollator(label_pad_value=data_args.ignore_index),
-        num_core_tokens=budget_args.num_core_tokens,
-        budget_sampler=budget_sampler,
-    )
-
-    train_evaluate_and_publish(
-        trainer,
-        budget_args,
-        budget_sampler,
-        base_model=model_args.model_name_or_path,
-        datasets=data_args.source,
-        hub_dataset=data_args.source,
-        task="image-segmentation",
+    finetune_dense(
+        "segmentation",
+        model,
+        arguments,
+        (train, validation),
+        SegmentationMetrics(len(id2label), data_args.ignore_index),
+        target_column=data_args.label_column_name,
+        label_pad_value=data_args.ignore_index,
         metrics_description="mean IoU, mean class accuracy and pixel accuracy on the validation split (labelled "
         f"pixels at the training resolution, short side {data_args.shortest_edge}), and the cross-entropy loss",
-        description=f"Fine-tuned for semantic segmentation ({model_args.head} head) from its base model (below) "
-        "with `examples/finetune_segmentation.py`.",
+        num_labels=len(id2label),
+        **label_options,
     )
 
 

@@ -246,7 +246,7 @@ def test_trainers_own_card_names_no_local_path(tmp_path, hub):
     (tmp_path / "data").mkdir()
     base_model, dataset = (TEACHER, "ILSVRC/imagenet-1k") if hub else (str(tmp_path), str(tmp_path / "data"))
     train_evaluate_and_publish(
-        FakeTrainer(), BudgetArguments(), None, base_model=base_model, datasets=dataset, hub_dataset=dataset,
+        FakeTrainer(), BudgetArguments(), base_model=base_model, datasets=dataset, hub_dataset=dataset,
         task="image-classification", metrics_description="", description="",
     )  # fmt: skip
     assert (pushed["finetuned_from"], pushed["dataset"]) == ((TEACHER, "ILSVRC/imagenet-1k") if hub else (None, None))

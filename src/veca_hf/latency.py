@@ -101,7 +101,33 @@ def time_budgets(
     """
     The median latency in milliseconds of one forward pass at each budget, `{budget: ms}`, measured round-robin (a
     change in machine load hits every budget alike), and `"dense": ms` for `dense_model` when one is given (timed in
-    the same rounds, on the same input). The arguments are those of [`pick_budget`].
+    the same rounds, on the same input); [`pick_budget`] says how it measures.
+
+    Args:
+        model (`nn.Module`):
+            A VECA model taking `(pixel_values, num_core_tokens=C)`: `VecaModel`, `VecaForImageClassification`,
+            `VecaForSemanticSegmentation`, `VecaBackbone`, or a compiled one; or a head with a VECA backbone
+            (UperNet, DPT, Depth Anything), whose budget is then its VECA's default for the call
+            ([`~veca_hf.routing.default_budget`]).
+        image_size (`int` or `tuple[int, int]`):
+            Input side, or `(height, width)`; multiples of the patch size.
+        batch_size (`int`, *optional*, defaults to 1):
+            Images per forward pass.
+        device (`str` or `torch.device`, *optional*):
+            Where to measure; defaults to the device of the model's parameters. If given, the model is moved there
+            (in place).
+        budgets (`Sequence[int]`, *optional*):
+            The budgets to consider; defaults to every budget of the model (`model.config.budgets`).
+        warmup (`int`, *optional*, defaults to 2):
+            Untimed passes per budget.
+        repeats (`int`, *optional*, defaults to 5):
+            Timed passes per budget (the median is taken over them).
+        dense_model (`nn.Module`, *optional*):
+            A model taking `pixel_values` (e.g. a `DINOv3ViTModel`) to time against, on the same device, input and
+            rounds; `BudgetChoice.dense_latency_ms` then holds its median.
+
+    Returns:
+        `dict`: `{budget: median ms}`, and `"dense": ms` with `dense_model`.
     """
     if batch_size < 1 or warmup < 0 or repeats < 1:
         raise ValueError(f"Need batch_size >= 1, warmup >= 0 and repeats >= 1; got {batch_size}, {warmup}, {repeats}.")
@@ -145,15 +171,7 @@ def time_budgets(
 
 
 def pick_budget(
-    model: nn.Module,
-    image_size: tuple[int, int] | int,
-    latency_target_ms: float,
-    batch_size: int = 1,
-    device: str | torch.device | None = None,
-    budgets: Sequence[int] | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
-    dense_model: nn.Module | None = None,
+    model: nn.Module, image_size: tuple[int, int] | int, latency_target_ms: float, **timing
 ) -> BudgetChoice:
     """
     The largest budget that meets a latency target, measured on this machine, and whether any budget is cheaper than
@@ -177,29 +195,13 @@ def pick_budget(
     budget is cheaper than the dense model.
 
     Args:
-        model (`nn.Module`):
-            A VECA model taking `(pixel_values, num_core_tokens=C)`: `VecaModel`, `VecaForImageClassification`,
-            `VecaForSemanticSegmentation`, `VecaBackbone`, or a compiled one; or a head with a VECA backbone
-            (UperNet, DPT, Depth Anything), whose budget is then its VECA's default for the call
-            ([`~veca_hf.routing.default_budget`]).
-        image_size (`int` or `tuple[int, int]`):
-            Input side, or `(height, width)`; multiples of the patch size.
+        model (`nn.Module`), image_size (`int` or `tuple[int, int]`):
+            As for [`time_budgets`].
         latency_target_ms (`float`):
             The largest acceptable median latency of one forward pass of the batch, in milliseconds.
-        batch_size (`int`, *optional*, defaults to 1):
-            Images per forward pass.
-        device (`str` or `torch.device`, *optional*):
-            Where to measure; defaults to the device of the model's parameters. If given, the model is moved there
-            (in place).
-        budgets (`Sequence[int]`, *optional*):
-            The budgets to consider; defaults to every budget of the model (`model.config.budgets`).
-        warmup (`int`, *optional*, defaults to 2):
-            Untimed passes per budget.
-        repeats (`int`, *optional*, defaults to 5):
-            Timed passes per budget (the median is taken over them).
-        dense_model (`nn.Module`, *optional*):
-            A model taking `pixel_values` (e.g. a `DINOv3ViTModel`) to time against, on the same device, input and
-            rounds; `BudgetChoice.dense_latency_ms` then holds its median.
+        timing:
+            The other arguments of [`time_budgets`]: `batch_size`, `device`, `budgets`, `warmup`, `repeats`,
+            `dense_model`.
 
     Returns:
         [`BudgetChoice`]: the chosen budget, the median latency and the FLOP ratio to a dense ViT of every budget.
@@ -210,7 +212,8 @@ def pick_budget(
     """
     if not latency_target_ms > 0:
         raise ValueError(f"latency_target_ms must be positive, got {latency_target_ms!r}.")
-    latencies_ms = time_budgets(model, image_size, batch_size, device, budgets, warmup, repeats, dense_model)
+    latencies_ms = time_budgets(model, image_size, **timing)
+    batch_size, repeats = timing.get("batch_size", 1), timing.get("repeats", 5)
     dense_latency_ms = latencies_ms.pop("dense", None)
     height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     device = next(model.parameters()).device

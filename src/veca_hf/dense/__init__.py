@@ -18,7 +18,8 @@
 Tensors: pixel values `(B, 3, H, W)`, `pixel_mask` `(B, H, W)` (1 = image, 0 = padding), label maps `(B, H, W)`
 (int64 class indices, or float32 depths with 0 = no ground truth).
 
-The parts: `data` (splits, transforms, collator), `models` (heads and backbone), `metrics` (depth loss, metrics).
+The parts: `data` (splits, transforms, collator), `models` (heads and backbone), `metrics` (depth loss, metrics),
+`finetuning` (`finetune_dense`: what both scripts do once their model is built).
 """
 
 from .data import (
@@ -33,6 +34,7 @@ from .data import (
     resolve_id2label,
     with_sample_index,
 )
+from .finetuning import finetune_dense
 from .metrics import (
     DepthMetrics,
     SegmentationMetrics,
@@ -66,6 +68,7 @@ __all__ = [
     "check_columns",
     "default_out_indices",
     "depth_loss_from_outputs",
+    "finetune_dense",
     "freeze_backbone",
     "load_dense_dataset",
     "mean_depth",

@@ -7,7 +7,8 @@
 - `parse_finetuning_args`: flags (or an args file) into dataclasses, then the set-up every script needs: credentials
   off `sys.argv` and out of `TrainingArguments`, the CPU allocator, logging (`setup_logging`) and the seed. It has
   process-wide effects by design: scripts call it once, first.
-- `resume_checkpoint` and `train_evaluate_and_publish`: how every script resumes and ends.
+- `finetuning_trainer`: the `VecaTrainer` at the budget flags; `resume_checkpoint` and `train_evaluate_and_publish`:
+  how every script resumes and ends.
 """
 
 import logging as python_logging
@@ -27,7 +28,7 @@ from ..cpu.allocator import tune_cpu_allocator
 from ..hub.access import take_credentials
 from ..hub.cards import is_hub_id, write_finetuned_model_card
 from ..routing import veca_config
-from .trainer import evaluate_and_save_budgets
+from .trainer import VecaTrainer, evaluate_and_save_budgets
 
 
 logger = logging.get_logger(__name__)
@@ -160,10 +161,33 @@ def resume_checkpoint(training_args) -> str | None:
     return latest
 
 
+def finetuning_trainer(
+    model: nn.Module,
+    training_args: TrainingArguments,
+    budget_args: BudgetArguments,
+    train_dataset=None,
+    eval_dataset=None,
+    **trainer_kwargs,
+) -> VecaTrainer:
+    """
+    The `VecaTrainer` of a fine-tuning script: at `--num_core_tokens`, or at a budget drawn per step with
+    `--sample_budgets` (`--budgets`, `--budget_weights`). `trainer_kwargs` are `Trainer`'s (`compute_metrics`,
+    `data_collator`, `processing_class`, ...).
+    """
+    return VecaTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        num_core_tokens=budget_args.num_core_tokens,
+        budget_sampler=budget_sampler_from_args(budget_args, model, seed=training_args.seed),
+        **trainer_kwargs,
+    )
+
+
 def train_evaluate_and_publish(
     trainer: Trainer,
     budget_args: BudgetArguments,
-    budget_sampler: BudgetSampler | None,
     *,
     base_model: str,
     datasets: str | None,
@@ -204,7 +228,7 @@ def train_evaluate_and_publish(
         trainer,
         base_model=base_model,
         datasets=datasets,
-        training_budget=training_budget_description(budget_args, budget_sampler, model),
+        training_budget=training_budget_description(budget_args, getattr(trainer, "budget_sampler", None), model),
         eval_metrics=eval_metrics,
         metrics_description=metrics_description,
         description=description,
@@ -216,6 +240,7 @@ __all__ = [
     "SampledBudgetArguments",
     "budget_sampler_from_args",
     "eval_budgets_from_args",
+    "finetuning_trainer",
     "parse_finetuning_args",
     "resume_checkpoint",
     "setup_logging",
