@@ -124,7 +124,7 @@ def time_budgets(
             Timed passes per budget (the median is taken over them).
         dense_model (`nn.Module`, *optional*):
             A model taking `pixel_values` (e.g. a `DINOv3ViTModel`) to time against, on the same device, input and
-            rounds; `BudgetChoice.dense_latency_ms` then holds its median.
+            rounds: its median is the `"dense"` entry ([`pick_budget`]'s `BudgetChoice.dense_latency_ms`).
 
     Returns:
         `dict`: `{budget: median ms}`, and `"dense": ms` with `dense_model`.
