@@ -1,4 +1,4 @@
-"""benchmarks/cpu_distillation_arms.py --smoke: three configurations (AdamW; the paper's recipe; another resolution
+"""studies/cpu_distillation/arms.py --smoke: three configurations (AdamW; the paper's recipe; another resolution
 and length) through distillation, probes, alignment and the report, on tiny models and generated data; a second call
 skips every finished run and adds a second seed."""
 
@@ -13,13 +13,12 @@ from test_cpu_distillation_study import study_inputs  # noqa: F401 (the fixture)
 
 
 ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow  # a study, not a unit: minutes of distillation in subprocesses
 
 
 def load_arms():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "cpu_distillation_arms", ROOT / "benchmarks" / "cpu_distillation_arms.py"
-    )
+    sys.path.insert(0, str(ROOT / "studies" / "cpu_distillation"))
+    spec = importlib.util.spec_from_file_location("arms", ROOT / "studies" / "cpu_distillation" / "arms.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -107,7 +107,7 @@ NOT_RUN = {
     ("docs/training.md", "pip"): "the network: installs packages",
     ("docs/training.md", "benchmarks/resume_skip.py"): "minutes: 10,000 steps",
     ("docs/training.md", "["): "a line of a job script: it reads the exit status of the launch before it",
-    ("docs/results.md", "benchmarks/cpu_distillation_arms.py"): "hours: the CPU distillation study",
+    ("docs/results.md", "studies/cpu_distillation/arms.py"): "hours: the CPU distillation study",
     ("docs/training.md", "bash"): "minutes: the README's main job",
     ("docs/performance.md", "veca_hf.export_onnx #1"): "a sketch: its flags are elided",
     ("docs/performance.md", "benchmarks/int8_check.py"): "minutes: the int8 speed and accuracy check on your photos",
