@@ -12,7 +12,7 @@
 #   kernels       each attention kernel (sdpa, flash_attention_2 / _3 where installed, flex_attention): VECA-B
 #                 (C = 8, 64) vs DINOv3-B at 224/512/1024 px, batch 8, a bf16 forward and a bf16-autocast training
 #                 step (benchmarks/gpu_check_helpers.py kernels)
-#   2. precision  eager vs sdpa in bf16, and bf16 autocast vs fp32 (benchmarks/precision_check.py)
+#   2. precision  eager vs sdpa in bf16, and bf16 autocast vs fp32 (benchmarks/numerics.py precision)
 #   3. distill    20 steps of `accelerate launch examples/distill.py` in bf16 on 1 GPU, resumed once from the
 #                 step-10 checkpoint into a second run; the two final students are compared
 #   4. zero2, zero3  the same under DeepSpeed ZeRO-2 / ZeRO-3 (examples/configs/deepspeed_zero{2,3}.yaml with
@@ -20,7 +20,7 @@
 # Teacher and data are generated (a tiny random DINOv3 saved from a config, 48 random images): no Hub needed.
 #
 # Files: OUT_DIR/gpu_check.json (all of it), OUT_DIR/scaling/results.{json,md}, OUT_DIR/kernels.json,
-# OUT_DIR/precision.json, OUT_DIR/stages.jsonl, OUT_DIR/gpu_check.log. Training runs and checkpoints go to a temporary folder.
+# OUT_DIR/precision/results.json, OUT_DIR/stages.jsonl, OUT_DIR/gpu_check.log. Training runs and checkpoints go to a temporary folder.
 # Packages missing on the GPU machine (datasets, deepspeed, a newer transformers) can travel as wheels in ./.whl:
 # they are installed into /tmp/site when that folder exists (see docs/performance.md).
 
@@ -104,8 +104,8 @@ if [ "$DRY_RUN" = "1" ]; then
 else
     PRECISION_ARGS=(--size veca-b16 --device cuda --resolutions 512,1024 --batch_size 2)
 fi
-run_stage precision 120 "$PY" benchmarks/precision_check.py "${PRECISION_ARGS[@]}" \
-    --checks eager_sdpa,bf16_autocast --eager_sdpa_dtype bf16 --output "$OUT_DIR/precision.json"
+run_stage precision 120 "$PY" benchmarks/numerics.py precision "${PRECISION_ARGS[@]}" \
+    --checks eager_sdpa,bf16_autocast --eager_sdpa_dtype bf16 --output_dir "$OUT_DIR/precision"
 record precision "$STAGE_STATUS" "$STAGE_SECONDS" "exit $STAGE_RC (a cosine below 0.999 is reported in the table, not a failure)"
 
 # --- 3-4. distillation: 1 GPU bf16, DeepSpeed ZeRO-2, ZeRO-3, each resumed once --------------------------------------

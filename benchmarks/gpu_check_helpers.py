@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+import common  # first: the offline Hub defaults, and veca_hf from a source checkout
+from common import fmt
+
 
 def workspace(root: Path) -> None:
     """A tiny random DINOv3 teacher saved from a config, a tiny VECA student config, and 48 generated images."""
@@ -89,17 +92,15 @@ def kernels(out: Path, dry_run: bool) -> None:
     measured; a kernel or case that cannot run is a row saying why."""
     import copy
     import statistics
-    import time
 
     import torch
-    from scaling import preset_configs
     from transformers import DINOv3ViTModel
 
     from veca_hf import VecaModel
 
     device = torch.device("cpu" if dry_run else "cuda")
     resolutions, batch, repeats = ([64], 2, 2) if dry_run else ([224, 512, 1024], 8, 5)
-    veca_config, dinov3_config = preset_configs("veca-b16", dry_run, [8, 64])
+    veca_config, dinov3_config = common.model_configs("veca-b16", dry_run, [8, 64])
     rows: list[dict] = []
 
     def add(new_rows: list[dict]) -> None:
@@ -123,28 +124,24 @@ def kernels(out: Path, dry_run: bool) -> None:
         for resolution in resolutions:
             pixel_values = torch.randn(batch, 3, resolution, resolution, device=device)
             for mode in ("forward", "train"):
-                times: dict[str, list[float]] = {name: [] for name in cases}
                 errors: dict[str, str] = {}
-                order = list(cases)
-                for round_index in range(1 + repeats):
-                    for name in order[round_index % 3 :] + order[: round_index % 3]:
-                        model_name, kwargs = cases[name]
-                        model = inference[model_name] if mode == "forward" else trained[model_name]
-                        optimizer = None if mode == "forward" else optimizers[model_name]
-                        if name in errors:
-                            continue
+
+                def guarded(name: str, model, kwargs: dict, optimizer, pixel_values=pixel_values, errors=errors):
+                    def call() -> None:
                         try:
-                            if device.type == "cuda":
-                                torch.cuda.synchronize()
-                            start = time.perf_counter()
-                            _kernel_call(model, kwargs, pixel_values, optimizer)
-                            if device.type == "cuda":
-                                torch.cuda.synchronize()
+                            if name not in errors:
+                                _kernel_call(model, kwargs, pixel_values, optimizer)
                         except Exception as error:  # recorded in the table; the other cases go on
                             errors[name] = f"{type(error).__name__}: {str(error)[:200]}"
-                            continue
-                        if round_index:  # round 0 warms up
-                            times[name].append(time.perf_counter() - start)
+
+                    return call
+
+                # round 0 warms up (flex compiles there)
+                calls = {}
+                for name, (model_name, kwargs) in cases.items():
+                    model = (inference if mode == "forward" else trained)[model_name]
+                    calls[name] = guarded(name, model, kwargs, None if mode == "forward" else optimizers[model_name])
+                times = common.interleaved(calls, repeats, device, warmup=1)
                 new_rows = []
                 for name in cases:
                     row = {"kernel": kernel, "resolution": resolution, "batch": batch, "mode": mode, "model": name}
@@ -153,8 +150,7 @@ def kernels(out: Path, dry_run: bool) -> None:
                     else:
                         row["ms"] = 1e3 * statistics.median(times[name])
                         if name != "DINOv3" and "DINOv3" not in errors:
-                            ratios = [a / b for a, b in zip(times[name], times["DINOv3"], strict=True)]
-                            row["ratio_vs_dinov3"] = statistics.median(ratios)
+                            row["ratio_vs_dinov3"] = common.paired_median(times[name], times["DINOv3"])
                     new_rows.append(row)
                 add(new_rows)
 
@@ -179,35 +175,29 @@ def report(out: Path) -> None:
             })  # fmt: skip
     kernel_rows = out / "kernels.json"
     result["kernels"] = json.loads(kernel_rows.read_text()) if kernel_rows.exists() else []
-    precision = out / "precision.json"
+    precision = out / "precision" / "results.json"
     if precision.exists():
         result["precision"] = json.loads(precision.read_text())["rows"]
     result["all_ok"] = all(s["status"] in ("ok", "skipped") for s in result["stages"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    def cell(value, spec):
-        return "-" if value is None else format(value, spec)
-
     def table(columns: str, rows: list[list]) -> None:
-        """A markdown table: `columns` separated by " | ", one list of cells per row."""
-        print(f"\n| {columns} |\n|" + "---|" * len(columns.split(" | ")))
-        for row in rows:
-            print("| " + " | ".join(str(value) for value in row) + " |")
+        print("\n" + "\n".join(common.table(columns.split(" | "), rows)))
 
     table(
         "stage | status | seconds | detail",
-        [[s["stage"], s["status"], cell(s.get("seconds"), ".0f"), s.get("detail", "")] for s in result["stages"]],
+        [[s["stage"], s["status"], fmt(s.get("seconds"), ".0f"), s.get("detail", "")] for s in result["stages"]],
     )
     if result["scaling"]:
         table("res | batch | model | latency ms | img/s | peak MB | time / DINOv3 (paired) | FLOPs / DINOv3 | error",
-              [[r["resolution"], r["batch"], r["model"], cell(r["latency_ms"], ".1f"), cell(r["images_per_s"], ".2f"),
-                cell(r["peak_memory_mb"], ".0f"), cell(r["paired_ratio"] if "VECA" in r["model"] else None, ".3f"),
-                cell(r["flop_ratio"] if "VECA" in r["model"] else None, ".3f"), r["error"] or ""]
+              [[r["resolution"], r["batch"], r["model"], fmt(r["latency_ms"], ".1f"), fmt(r["images_per_s"], ".2f"),
+                fmt(r["peak_memory_mb"], ".0f"), fmt(r["paired_ratio"] if "VECA" in r["model"] else None, ".3f"),
+                fmt(r["flop_ratio"] if "VECA" in r["model"] else None, ".3f"), r["error"] or ""]
                for r in result["scaling"]])  # fmt: skip
     if result["kernels"]:
         table("kernel | res | batch | mode | model | ms | time / DINOv3 (paired) | note",
               [[r["kernel"], r.get("resolution", "-"), r.get("batch", "-"), r.get("mode", "-"), r.get("model", "-"),
-                cell(r.get("ms"), ".1f"), cell(r.get("ratio_vs_dinov3"), ".3f"),
+                fmt(r.get("ms"), ".1f"), fmt(r.get("ratio_vs_dinov3"), ".3f"),
                 r.get("skipped") or r.get("error") or ""]
                for r in result["kernels"]])  # fmt: skip
     if result["precision"]:

@@ -1,6 +1,6 @@
-"""benchmarks/cpu_distillation_arms.py --smoke: three configurations (AdamW; the paper's recipe; another resolution
-and length) through distillation, probes, alignment and the report, on tiny models and generated data; a second call
-skips every finished run and adds a second seed."""
+"""studies/cpu_distillation/arms.py --smoke: two configurations (AdamW; the paper's recipe) through distillation,
+probes, alignment and the report, on tiny models and generated data; a second call skips the finished runs and adds
+a second seed. A configuration of another resolution and length is compared at equal steps from the same runs."""
 
 import importlib.util
 import json
@@ -13,13 +13,12 @@ from test_cpu_distillation_study import study_inputs  # noqa: F401 (the fixture)
 
 
 ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow  # a study, not a unit: minutes of distillation in subprocesses
 
 
 def load_arms():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "cpu_distillation_arms", ROOT / "benchmarks" / "cpu_distillation_arms.py"
-    )
+    sys.path.insert(0, str(ROOT / "studies" / "cpu_distillation"))
+    spec = importlib.util.spec_from_file_location("arms", ROOT / "studies" / "cpu_distillation" / "arms.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -34,11 +33,10 @@ def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, 
     argv = ["--smoke", "--teacher_name_or_path", str(study_inputs / "teacher"),
             "--photos_dir", str(study_inputs / "photos"), "--fashion_mnist_dir", str(study_inputs / "fashion-mnist"),
             "--output_dir", str(tmp_path / "study"), "--results_dir", str(results_dir),
-            "--configurations", "4x384-adamw,4x384-paper-recipe,4x384-224px"]  # fmt: skip
+            "--configurations", "4x384-adamw,4x384-paper-recipe"]  # fmt: skip
     summary = arms.main(argv)
 
-    assert [run["label"] for run in summary["runs"]] == [
-        "4x384-adamw-seed0", "4x384-paper-recipe-seed0", "4x384-224px-seed0"]  # fmt: skip
+    assert [run["label"] for run in summary["runs"]] == ["4x384-adamw-seed0", "4x384-paper-recipe-seed0"]
     for run in summary["runs"]:
         assert run["seed"] == 0 and run["settings"]["distill_seed"] == 0
         # held-out loss and its terms at every validation, for both students
@@ -55,29 +53,35 @@ def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, 
         assert isinstance(run["goal"]["met"], bool)
         assert [row["step"] for row in run["gap_history"]] == [h["step"] for h in run["validation_history"]["veca"]]
     # what each factor does to the gap, against the baseline, on the same test images
-    assert set(summary["effects"]) == {"recipe", "N = 4C (224 px, 500 steps)"}
-    for effect in summary["effects"].values():
+    assert set(summary["effects"]) == {"recipe"}
+    # a configuration that trains 2 steps where the baseline trains 4 (the baseline's run, stopped at step 2)
+    baseline = json.loads((results_dir / "runs" / "4x384-adamw-seed0.json").read_text())  # with per-image values
+    shorter = {**baseline, "name": "4x384-224px", "settings": {**baseline["settings"], "max_train_steps": 2}}
+    effects = {
+        **summary["effects"],
+        **arms.factor_effects({("4x384-adamw", 0): baseline, ("4x384-224px", 0): shorter}, 16),
+    }
+    assert set(effects) == {"recipe", "N = 4C (224 px, 500 steps)"}
+    for effect in effects.values():
         assert effect["baseline"] == "4x384-adamw" and effect["seed"] == 0
         for name in ("20-NN (points)", "patch cosine, photos", "global cosine, FMNIST"):
             row = effect["measures"][name]
             assert row["change"] == pytest.approx(row["gap"] - row["baseline_gap"])
             assert row["interval"][0] - 1e-9 <= row["change"] <= row["interval"][1] + 1e-9
         assert effect["measures"]["held-out loss (% of dense)"]["interval"] is None
-    # 4x384-224px trains 2 steps, the baseline 4: the held-out loss compares at equal steps (the baseline's curve at
-    # step 2), the probes with the baseline's end
+    # the held-out loss compares at equal steps (the baseline's curve at step 2), the probes with the baseline's end
     baseline_curve = {row["step"]: row for row in summary["runs"][0]["gap_history"]}
-    for name, row in summary["effects"]["N = 4C (224 px, 500 steps)"]["measures"].items():
+    for name, row in effects["N = 4C (224 px, 500 steps)"]["measures"].items():
         if name.startswith("held-out"):
             term = name.removeprefix("held-out ").removesuffix(" (% of dense)")
             assert row["baseline_step"] == 2 and row["baseline_gap"] == pytest.approx(baseline_curve[2][term])
         else:
             assert row["baseline_step"] == 4
-    # the configurations really differ: the recipe ran NorMuon and copied the patch embedding; 224px another size
+    # the configurations really differ: the recipe ran NorMuon and copied the patch embedding
     recipe = summary["runs"][1]
     assert recipe["settings"]["distill_flags"]["optimizer"] == "normuon"
     log = tmp_path / "study" / "runs" / "4x384-paper-recipe" / "seed0" / "logs" / "distill_veca.log"
     assert "NorMuon for" in log.read_text() and "Patch embedding copied from the teacher" in log.read_text()
-    assert summary["runs"][2]["settings"]["resolution"] == 48
     assert summary["seed_spread"] == {}  # one seed each
     markdown = (results_dir / "study.md").read_text()
     assert "4x384-paper-recipe-seed0" in markdown and "goal" in markdown and "What each factor does" in markdown
@@ -89,7 +93,7 @@ def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, 
     again = arms.main(argv[:-1] + ["4x384-paper-recipe", "--seeds", "0,1"])
     out = capsys.readouterr().out
     assert out.count("done already") == 1 and "[4x384-paper-recipe-seed1]" in out
-    assert len(again["runs"]) == 4  # the report covers every finished run
+    assert len(again["runs"]) == 3  # the report covers every finished run
     seed0, seed1 = (next(r for r in again["runs"] if r["label"] == f"4x384-paper-recipe-seed{s}") for s in (0, 1))
     assert seed1["settings"]["distill_seed"] == 1 and "--seed 1" in seed1["commands"]["veca"]
     # committed results name this machine's paths by what they are

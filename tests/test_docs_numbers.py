@@ -1,7 +1,8 @@
 """The docs quote the committed benchmark results, and their links resolve.
 
 A number taken from a result file carries a marker right after it (an HTML comment, invisible on the rendered page)
-that names the file under `benchmarks/results/` and the JSON path of the value, e.g. after "4.14 s":
+that names the file under `benchmarks/results/` (or, from `studies/` on, under the repository's root) and the JSON
+path of the value, e.g. after "4.14 s":
 
     <!-- result: b16_model_cpu_fp32_2threads/results.json#points[resolution=1024,budget=64].latency_ms.median/1000 -->
 
@@ -24,7 +25,8 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = sorted([*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *RESULTS.glob("*/README.md")])
+STUDY_RESULTS = sorted((ROOT / "studies").glob("*/results/*/README.md"))
+DOCS = sorted([*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *RESULTS.glob("*/README.md"), *STUDY_RESULTS])
 
 MARKER = re.compile(r"<!--\s*(?P<kind>results?):\s*(?P<body>.*?)\s*-->")
 # the number just before a marker: a sign (not a range's hyphen, as in 19-34), digits with optional thousands commas,
@@ -127,7 +129,8 @@ def check_markers(text: str, results_dir: Path = RESULTS) -> tuple[int, list[str
                 continue
             try:
                 if file_name not in loaded:
-                    loaded[file_name] = json.loads((results_dir / file_name).read_text())
+                    folder = ROOT if file_name.startswith("studies/") else results_dir
+                    loaded[file_name] = json.loads((folder / file_name).read_text())
                 value = resolve(loaded[file_name], path)
             except (OSError, ValueError) as error:
                 errors.append(f"{where}: {file_name}: {error}")

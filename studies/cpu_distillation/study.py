@@ -20,7 +20,7 @@ defaults). One reproducible run of the example scripts:
 6. the teacher-student cosine of the global feature on held-out images at every budget;
 7. `study.json`, `study.md` and `study.png` in `--output_dir`, with the four targets met or not.
 
-    python benchmarks/cpu_distillation_study.py --fashion_mnist_dir <folder of the Fashion-MNIST IDX files> \
+    python studies/cpu_distillation/study.py --fashion_mnist_dir <folder of the Fashion-MNIST IDX files> \
         --photos_dir <folder of photos> --teacher_name_or_path <teacher folder or Hub id> \
         --output_dir outputs/cpu_distillation_study
 
@@ -50,7 +50,7 @@ import torch
 from transformers import HfArgumentParser
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DISTILL_SCRIPT = REPO / "examples" / "distill.py"
 PROBE_SCRIPT = REPO / "examples" / "linear_probe.py"
 ROLES = {"teacher": "teacher (DINOv2-S/14)", "dense": "dense student", "veca": "VECA", "random": "random VECA"}

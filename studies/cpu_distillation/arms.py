@@ -5,7 +5,7 @@ recipe and training length apart, each distilled with one or more seeds.
 
 Every run (a configuration and a seed) distils a VECA and its dense control (`examples/distill.py` with a
 `dense_student_config` as `--student_config`: the same stream, steps and loss; only the attention pattern differs)
-from the same teacher on the pool of `cpu_distillation_study.py` (65,000 images: Fashion-MNIST's training set and
+from the same teacher on the pool of `study.py` (65,000 images: Fashion-MNIST's training set and
 crops of real photos), with patch-14 students. A seed changes the initialisation and the data order; the pool, the
 probes and the bootstrap stay.
 
@@ -22,9 +22,9 @@ Fashion-MNIST (95% intervals); the cosine of the global and patch features to th
 (`study.json`, `study.md`, `curves.png` in `--results_dir`) covers every finished run: VECA-minus-dense gaps with
 paired-bootstrap intervals, what each factor does against the baseline, and the gaps' spread over seeds.
 
-    python benchmarks/cpu_distillation_arms.py --fashion_mnist_dir FASHION_MNIST_DIR --photos_dir PHOTOS_DIR \
+    python studies/cpu_distillation/arms.py --fashion_mnist_dir FASHION_MNIST_DIR --photos_dir PHOTOS_DIR \
         --teacher_name_or_path TEACHER_DIR --output_dir outputs/cpu_distillation_arms \
-        --results_dir benchmarks/results/cpu_distillation_arms --configurations 4x384-paper-recipe --seeds 0,1,2
+        --results_dir studies/cpu_distillation/results/arms --configurations 4x384-paper-recipe --seeds 0,1,2
 
 Each finished run writes `results_dir/runs/<configuration>-seed<k>.json` (small, no weights) and is skipped from then
 on; inside a run every stage is skipped when its result exists and distillation resumes from its last checkpoint.
@@ -46,7 +46,7 @@ from transformers import HfArgumentParser
 
 
 sys.path.insert(0, str(Path(__file__).parent))
-import cpu_distillation_study as base  # noqa: E402
+import study as base  # noqa: E402
 
 
 @dataclass(frozen=True)
