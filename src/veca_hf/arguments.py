@@ -19,6 +19,7 @@ import json
 import re
 import shlex
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -31,6 +32,7 @@ __all__ = [
     "ARGS_FILE_SUFFIXES",
     "CanonicalHelpFormatter",
     "canonical_dtype",
+    "check_counts",
     "parse_args_with_file",
     "redact_secrets",
     "redact_urls",
@@ -63,6 +65,19 @@ def canonical_dtype(flag: str, value: str, allowed: Sequence[str]) -> str:
             f"{' | '.join(shorts)})."
         )
     return name
+
+
+def check_counts(arguments, counts: dict[str, tuple[int, str]]) -> None:
+    """At parse time, a `ValueError` naming the flag, its value and the fix for every count below its minimum
+    (`counts`: flag -> (minimum, fix)), not an `IndexError` or a `ZeroDivisionError` deep in the run. `None` passes
+    where the field's type allows it (it means "not set"). Call it in an argument dataclass's `__post_init__`."""
+    for name, (low, fix) in counts.items():
+        value = getattr(arguments, name)
+        # NOTE: the annotation, not `Field.type`, which HfArgumentParser rewrites to the type without `None`
+        if value is None and type(None) in typing.get_args(typing.get_type_hints(type(arguments))[name]):
+            continue
+        if value is None or value < low:
+            raise ValueError(f"--{name} must be at least {low}, got {value}: {fix}.")
 
 
 class CanonicalHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
