@@ -37,11 +37,12 @@ case "$job" in
                 echo "tests/test_app.py needs Chromium: 'sudo apt-get install chromium', or set VECA_HF_CHROMIUM" >&2
             fi
         fi
-        exec "$VENV/bin/python" -m pytest -q "$@"
+        # One worker per core (pytest-xdist); a worker takes the next test as it finishes one.
+        exec "$VENV/bin/python" -m pytest -q -n auto --dist worksteal "$@"
         ;;
     test-quick)
         export HF_HUB_OFFLINE=1
-        exec "$VENV/bin/python" -m pytest -q -m "not processes and not slow" "$@"
+        exec "$VENV/bin/python" -m pytest -q -n auto --dist worksteal -m "not processes and not slow" "$@"
         ;;
     lint)
         "$VENV/bin/ruff" check . "$@"

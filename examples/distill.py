@@ -7,32 +7,30 @@
     accelerate launch examples/distill.py examples/configs/demo_cpu.yaml     # all arguments from a file
 
 See docs/training.md for the paper's recipe as flags, multi-GPU / multi-node / DeepSpeed launches and resuming.
+The run's state (teacher, budgets, held-out images, progress, checkpoints) is a
+`veca_hf.training.distillation_run.DistillationRun`; this script turns flags into one and runs the optimiser steps.
 """
 
-import json
-import logging
 import os
 import sys
 import time
-import typing
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import datasets
 import torch
-import transformers
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers import AutoModel, HfArgumentParser
+from transformers import HfArgumentParser
 
-from veca_hf import VecaImageProcessor
-from veca_hf.arguments import canonical_dtype, parse_args_with_file, redact_secrets
-from veca_hf.budgets import BudgetSampler, training_budgets
-from veca_hf.cpu.hardware import warn_if_slow_bf16
+from veca_hf.arguments import (
+    SampledBudgetArguments,
+    canonical_dtype,
+    check_counts,
+    parse_args_with_file,
+    redact_secrets,
+)
 from veca_hf.data import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageStream,
@@ -46,62 +44,42 @@ from veca_hf.data import (
     is_remote,
     load_image_dataset,
     parse_storage_options,
-    resize_batch,
 )
 from veca_hf.hub.access import DEFAULT_TEACHER_FALLBACK_DIR, resolve_teacher_on_all_ranks, take_credentials
 from veca_hf.hub.cards import create_hub_repo, push_to_hub, resolve_hub_model_id, write_model_card
-from veca_hf.training.checkpointing import (
-    checkpoint_steps,
-    load_checkpoint,
-    resolve_resume_path_on_all_ranks,
-    save_checkpoint,
-)
+from veca_hf.training.checkpointing import resolve_resume_path_on_all_ranks
 from veca_hf.training.distillation import (
-    PROJECTION_FILE,
     TEACHER_DTYPES,
     DistillationLoss,
     ResolutionSchedule,
     StudentWithLoss,
-    before_after_table,
     build_student,
     check_teacher_student,
-    compute_teacher_targets,
     init_patch_embeddings_from_teacher,
-    teacher_autocast_dtype,
     teacher_normalization,
     transform_normalization,
-    validation_losses,
 )
-from veca_hf.training.faults import (
-    PREEMPTED_EXIT_CODE,
-    StepGuard,
-    ignore_sigterm,
-    join_restarted_group,
-    replicas_agree,
+from veca_hf.training.distillation_run import (
+    DistillationRun,
+    HeldOut,
+    StudentBudgets,
+    enable_activation_checkpointing,
+    load_teacher,
+    open_sample_sources,
+    resume_progress,
+    setup_accelerator_logging,
+    uses_zero3,
 )
+from veca_hf.training.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, join_restarted_group
 from veca_hf.training.optimization import (
     build_optimizer,
     check_optimizer_backend,
     cosine_schedule_with_warmup,
     optimizer_group_names,
 )
-from veca_hf.training.scripts import SampledBudgetArguments
 
 
 logger = get_logger(__name__)
-
-
-def check_counts(arguments, counts: dict[str, tuple[int, str]]) -> None:
-    """At parse time, a `ValueError` naming the flag, its value and the fix for every count below its minimum
-    (`counts`: flag -> (minimum, fix)), not an `IndexError` or a `ZeroDivisionError` deep in the run. `None` passes
-    where the field's type allows it (it means "not set")."""
-    for name, (low, fix) in counts.items():
-        value = getattr(arguments, name)
-        # NOTE: the annotation, not `Field.type`, which HfArgumentParser rewrites to the type without `None`
-        if value is None and type(None) in typing.get_args(typing.get_type_hints(type(arguments))[name]):
-            continue
-        if value is None or value < low:
-            raise ValueError(f"--{name} must be at least {low}, got {value}: {fix}.")
 
 
 @dataclass
@@ -352,118 +330,13 @@ def build_accelerator(args: DistillationArguments, output_dir: Path) -> Accelera
     )
 
 
-def budget_label(budget: int | None) -> str:
-    return "dense" if budget is None else str(budget)
-
-
-@dataclass
-class Progress:
-    """What a run has done, saved in every checkpoint and restored on resume."""
-
-    step: int = 0
-    position: dict = field(default_factory=lambda: {"epoch": 0, "batches": 0})  # in this process's data stream
-    images_seen: int = 0
-    skipped: int = 0
-    validation_history: list = field(default_factory=list)  # {"step": s, "losses": {budget: terms}}
-
-
-@dataclass
-class Teacher:
-    """The frozen teacher and how it runs."""
-
-    model: torch.nn.Module
-    path: str
-    dtype: torch.dtype | None  # autocast dtype, None: fp32
-    micro_batch_size: int | None
-
-    def targets(self, pixel_values: torch.Tensor, student_patch_size: int):
-        return compute_teacher_targets(self.model, pixel_values, student_patch_size, self.micro_batch_size, self.dtype)
-
-
-@dataclass
-class Budgets:
-    """The budgets a run trains and validates at. The dense control has no budget dial: one "budget", `None`,
-    validated and reported as "dense"."""
-
-    values: list
-    weights: list | None = None
-    sampler: BudgetSampler | None = None
-
-    @classmethod
-    def for_student(cls, student: torch.nn.Module, args) -> "Budgets":
-        if student.config.model_type != "veca":
-            return cls([None])
-        values, weights = training_budgets(student.config, args.budgets, args.budget_weights)
-        return cls(values, weights, BudgetSampler(values, weights, seed=args.seed))
-
-    def at(self, step: int) -> int | None:
-        return None if self.sampler is None else self.sampler(step)
-
-
-@dataclass
-class HeldOut:
-    """The held-out images and their teacher targets, computed once (the teacher is frozen)."""
-
-    batches: list  # (pixel_values, teacher cls, teacher patches) on the device
-    resolution: int
-    num_images: int  # over all processes
-    skipped: int
-
-
-def set_up_logging(accelerator: Accelerator) -> None:
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.INFO
-    )
-    # Our progress at INFO on the main process; the libraries' (config dumps, load reports) only from WARNING.
-    if accelerator.is_main_process:
-        transformers.utils.logging.set_verbosity_warning()
-    else:
-        transformers.utils.logging.set_verbosity_error()
-    datasets.utils.logging.set_verbosity_warning()
-    logger.info(
-        f"Mixed precision: {accelerator.mixed_precision}; {accelerator.num_processes} process(es) on "
-        f"{accelerator.device}."
-    )
-    if accelerator.is_main_process and accelerator.mixed_precision == "bf16":
-        warn_if_slow_bf16(accelerator.device, "mixed precision bf16")
-
-
-def load_teacher(accelerator: Accelerator, model_args: ModelArguments, args) -> Teacher:
-    """The frozen teacher in eval mode, outside the optimiser."""
-    teacher_path = resolve_teacher_on_all_ranks(
-        accelerator,
-        model_args.teacher_name_or_path,
-        model_args.teacher_fallback_dir,
-        model_args.allow_teacher_fallback,
-    )
-    ds_plugin = accelerator.state.deepspeed_plugin
-    if ds_plugin is not None and ds_plugin.zero_stage == 3:
-        # NOTE: under ZeRO-3 from_pretrained would partition the teacher; it is not an engine, so keep it whole.
-        with ds_plugin.zero3_init_context_manager(enable=False):
-            teacher = AutoModel.from_pretrained(teacher_path)
-    else:
-        teacher = AutoModel.from_pretrained(teacher_path)
-    teacher.requires_grad_(False).eval().to(accelerator.device)
-    dtype = teacher_autocast_dtype(args.teacher_dtype, accelerator.device)
-    if accelerator.is_main_process and dtype == torch.bfloat16:
-        warn_if_slow_bf16(accelerator.device, "--teacher_dtype bfloat16")
-    return Teacher(teacher, str(teacher_path), dtype, model_args.teacher_micro_batch_size)
-
-
-def enable_activation_checkpointing(model) -> None:
-    """transformers 5's `activation_checkpointing_enable` where the model has it (its `gradient_` name is deprecated),
-    else `gradient_checkpointing_enable` (transformers 4)."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
-
-
-def build_model(model_args: ModelArguments, args, teacher: torch.nn.Module):
-    """The student with its loss in one module, its config, and the budgets it trains at."""
+def build_model(model_args: ModelArguments, args: DistillationArguments, teacher: torch.nn.Module):
+    """The student with its loss in one module (`StudentWithLoss`), and the budgets it trains at."""
     student = build_student(
         model_args.student_name_or_path, model_args.student_config, model_args.student_preset,
         model_args.student_overrides,
     )  # fmt: skip
-    budgets = Budgets.for_student(student, args)
+    budgets = StudentBudgets.for_student(student, args.budgets, args.budget_weights, seed=args.seed)
     # Starting from saved weights, `auto` keeps their patch embedding; `yes` replaces it.
     patch_init = model_args.init_patch_embeddings_from_teacher
     if model_args.student_name_or_path and patch_init == "auto":
@@ -475,12 +348,11 @@ def build_model(model_args: ModelArguments, args, teacher: torch.nn.Module):
     criterion = DistillationLoss(
         student.config.hidden_size, teacher.config.hidden_size, args.dense_weight, args.mse_weight
     )
-    model = StudentWithLoss(student, criterion).train()
-    return model, student.config, budgets
+    return StudentWithLoss(student, criterion).train(), budgets
 
 
 def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_transform, validation_resolution):
-    """This process's training stream, the DataLoader settings, and the held-out dataset (not yet read).
+    """This process's training stream, the DataLoader settings, and the held-out stream (not yet read).
 
     Remote shards: retries (in every process and DataLoader worker, which fork later) and fsspec options."""
     retries = StreamRetries(data_args.stream_retries, data_args.stream_retry_wait)
@@ -541,23 +413,18 @@ def build_data(accelerator: Accelerator, data_args: DataArguments, args, train_t
     return train_stream, loader_kwargs, validation_stream
 
 
-def held_out_targets(
-    accelerator, validation_stream, teacher: Teacher, patch_size: int, batch_size: int, resolution: int
-) -> HeldOut:
-    """Read the held-out images once and compute their teacher targets."""
-    batches, skipped = [], 0
-    for batch in torch.utils.data.DataLoader(validation_stream, batch_size=batch_size, collate_fn=collate_images):
-        skipped += batch["num_skipped"]
-        if batch["pixel_values"] is None:
-            continue
-        pixel_values = batch["pixel_values"].to(accelerator.device)
-        targets = teacher.targets(pixel_values, patch_size)
-        batches.append((pixel_values, targets.cls, targets.patches))
-    count = torch.tensor(sum(len(b[0]) for b in batches), device=accelerator.device)
-    return HeldOut(batches, resolution, int(accelerator.reduce(count, reduction="sum")), skipped)
+def empty_stream_message(data_args: DataArguments, num_processes: int) -> str:
+    share = " in this process's share" if num_processes > 1 else ""
+    if data_args.validation_split:
+        return f"The training split {data_args.train_split!r} has no images{share}."
+    return (
+        f"No training images left: the held-out validation split (the first --validation_size "
+        f"{data_args.validation_size} images) took every image of the dataset{share}. Lower --validation_size, "
+        "or pass --validation_split to hold out a separate split."
+    )
 
 
-def build_optimization(model: torch.nn.Module, args):
+def build_optimization(model: torch.nn.Module, args: DistillationArguments):
     optimizer = build_optimizer(
         model,
         args.optimizer,
@@ -587,83 +454,22 @@ def build_optimization(model: torch.nn.Module, args):
     return optimizer, scheduler
 
 
-def resume(accelerator, resume_path: Path | None, scheduler, guard: StepGuard) -> Progress:
-    """The progress of `resume_path` (weights, optimiser and RNG restored in place), or a new run's."""
-    progress = Progress()
-    if resume_path is None:
-        return progress
-    training_state, process_state = load_checkpoint(accelerator, resume_path)
-    guard.load_state_dict(training_state)
-    progress.validation_history = training_state.get("validation_history", [])
-    progress.step = training_state["step"]
-    progress.images_seen, progress.skipped = process_state["images_seen"], process_state["skipped_images"]
-    if "scheduler" in training_state:
-        scheduler.load_state_dict(training_state["scheduler"])
-    else:  # written before the schedule was stored: it depends on the step only
-        for _ in range(progress.step):
-            scheduler.step()
-    progress.position = {
-        "epoch": process_state["epoch"],
-        "batches": process_state["batches"],
-        **{key: process_state[key] for key in ("worker_batches", "last_worker") if key in process_state},
-    }
-    logger.info(
-        f"Resumed from {resume_path} at step {progress.step} (epoch {progress.position['epoch']}, "
-        f"batch {progress.position['batches']} of it)."
-    )
-    return progress
-
-
-def validate(model, held_out: HeldOut, budgets, accelerator, progress: Progress) -> dict:
-    """The held-out losses at every budget, recorded in the progress and the trackers."""
-    results = validation_losses(model, held_out.batches, budgets, accelerator)
-    progress.validation_history.append(
-        {"step": progress.step, "losses": {budget_label(b): r for b, r in results.items()}}
-    )
-    if progress.step:
-        accelerator.log(
-            {f"validation/loss_C{budget_label(b)}": r["loss"] for b, r in results.items()}, step=progress.step
-        )
-    return results
-
-
-def empty_stream_message(data_args: DataArguments, num_processes: int) -> str:
-    share = " in this process's share" if num_processes > 1 else ""
-    if data_args.validation_split:
-        return f"The training split {data_args.train_split!r} has no images{share}."
-    return (
-        f"No training images left: the held-out validation split (the first --validation_size "
-        f"{data_args.validation_size} images) took every image of the dataset{share}. Lower --validation_size, "
-        "or pass --validation_split to hold out a separate split."
-    )
-
-
-def train(
-    accelerator, args, model, optimizer, scheduler, guard: StepGuard, teacher: Teacher, patch_size: int,
-    budgets: Budgets, resolutions: ResolutionSchedule, batches, held_out: HeldOut, progress: Progress,
-    checkpoint_now: Callable[[], None], sources_file,
-):  # fmt: skip
-    """The optimiser steps from `progress.step` to `--max_train_steps`; returns the last validation's results."""
+def train(run: DistillationRun, args: DistillationArguments) -> None:
+    """The optimiser steps from `run.progress.step` to `--max_train_steps`."""
+    accelerator, model, progress = run.accelerator, run.model, run.progress
+    patch_size = run.student.config.patch_size
     bar = tqdm(
         total=args.max_train_steps, initial=progress.step, disable=not accelerator.is_local_main_process,
         desc="distill",
     )  # fmt: skip
-    validation_results = None
-    guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
+    run.guard.install_signal_handler()  # SIGTERM: checkpoint after the current step and exit (all ranks agree)
     while progress.step < args.max_train_steps:
-        budget, resolution = budgets.at(progress.step), resolutions(progress.step)
+        budget, resolution = run.budgets.at(progress.step), run.resolutions(progress.step)
         step_start, teacher_time, step_images, logs, loss_finite = time.perf_counter(), 0.0, 0, {}, True
         for _ in range(args.gradient_accumulation_steps):
-            batch = next(batches)
-            while batch["pixel_values"] is None:  # every image of the batch was unreadable
-                progress.skipped += batch["num_skipped"]
-                batch = next(batches)
-            progress.skipped += batch["num_skipped"]
-            if sources_file is not None:
-                sources_file.writelines(f"{progress.step}\t{source}\n" for source in batch["sources"])
-            pixel_values = resize_batch(batch["pixel_values"].to(accelerator.device, non_blocking=True), resolution)
+            pixel_values = run.next_images(resolution)  # (B, 3, r, r)
             teacher_start = time.perf_counter()
-            targets = teacher.targets(pixel_values, patch_size)
+            targets = run.teacher.targets(pixel_values, patch_size)
             teacher_time += time.perf_counter() - teacher_start
             with accelerator.accumulate(model):
                 with accelerator.autocast():
@@ -671,13 +477,13 @@ def train(
                 loss_finite &= bool(torch.isfinite(terms["loss"].detach()))
                 accelerator.backward(terms["loss"])
                 if accelerator.sync_gradients:  # clip, skip a non-finite step on every rank, agree on stopping
-                    outcome = guard.step(
-                        accelerator, model, optimizer, loss_finite, args.max_grad_norm, progress.step + 1
+                    outcome = run.guard.step(
+                        accelerator, model, run.optimizer, loss_finite, args.max_grad_norm, progress.step + 1
                     )
             step_images += pixel_values.shape[0]
             for key, value in terms.items():
                 logs[key] = logs.get(key, 0.0) + float(value.detach()) / args.gradient_accumulation_steps
-        scheduler.step()
+        run.scheduler.step()
         progress.step += 1
         progress.images_seen += step_images
         step_time = time.perf_counter() - step_start
@@ -687,9 +493,9 @@ def train(
             logs["budget"] = budget
         logs.update(
             resolution=resolution,
-            lr=scheduler.get_last_lr()[0],
+            lr=run.scheduler.get_last_lr()[0],
             skipped_images=progress.skipped,
-            nonfinite_steps=guard.nonfinite_steps,
+            nonfinite_steps=run.guard.nonfinite_steps,
             images_per_second=step_images * accelerator.num_processes / step_time,
             teacher_seconds=teacher_time,
             student_seconds=step_time - teacher_time,
@@ -703,11 +509,10 @@ def train(
             )
         # NOTE: validation first, so that a checkpoint of this step carries its validation.
         periodic = bool(args.validation_steps) and progress.step % args.validation_steps == 0
-        if held_out.batches and (periodic or progress.step == args.max_train_steps):
-            validation_results = validate(model, held_out, budgets.values, accelerator, progress)
-        saved = bool(args.checkpointing_steps) and progress.step % args.checkpointing_steps == 0
-        if saved or outcome.stop:
-            checkpoint_now()
+        if run.held_out.batches and (periodic or progress.step == args.max_train_steps):
+            run.validate()
+        if (args.checkpointing_steps and progress.step % args.checkpointing_steps == 0) or outcome.stop:
+            run.save_checkpoint()
         if outcome.stop:
             logger.warning(
                 f"Stopped by SIGTERM after step {progress.step}; checkpoint-{progress.step} is written. Resume "
@@ -716,41 +521,109 @@ def train(
             accelerator.end_training()
             sys.exit(PREEMPTED_EXIT_CODE)
     bar.close()
-    return validation_results
 
 
-def report_stop(error: Exception, checkpoints_dir: Path, progress: Progress) -> None:
-    steps = checkpoint_steps(checkpoints_dir)
-    newest = f"{checkpoints_dir / f'checkpoint-{steps[-1]}'}" if steps else "none yet"
-    cause = ""
-    if "DataLoader worker" in str(error):  # PyTorch's SIGCHLD handler: a worker died (kill -9, the OOM killer)
-        cause = " A DataLoader worker was killed from outside (SIGKILL, e.g. the kernel's OOM killer)."
-    logger.error(
-        f"The run stopped during step {progress.step + 1}.{cause} Newest checkpoint: {newest}. Fix the cause, then "
-        "rerun with --resume_from_checkpoint latest to continue exactly from there."
+def write_distilled_model_card(run: DistillationRun, data_args: DataArguments, args: DistillationArguments, repo_id):
+    """README.md: the held-out loss per budget and how the student was trained (a VECA student only)."""
+    validation = run.validation or {}
+    write_model_card(
+        run.output_dir,
+        model=None if uses_zero3(run.accelerator) else run.student,  # ZeRO-3: time the saved copy
+        model_id=repo_id,
+        base_model=run.teacher.path,
+        datasets=data_args.dataset_name,
+        budget_metrics={
+            b: {"loss": r["loss"], "global 1-cos": r["global_loss"], "dense 1-cos": r["dense_cosine_loss"]}
+            for b, r in validation.items()
+        },
+        metrics_description=f"held-out distillation loss against the teacher at {run.held_out.resolution} px "
+        "(lower is better): the total, and 1 - cosine of the global and the dense features",
+        description="Distilled from its teacher (the base model below) with `examples/distill.py`.",
+        training_details={
+            "optimiser steps": run.progress.step,
+            "learning rate": args.learning_rate,
+            "batch size (all processes)": args.per_device_train_batch_size
+            * run.accelerator.num_processes
+            * args.gradient_accumulation_steps,
+            "budgets (weights)": f"{run.budgets.values} ({run.budgets.weights})",
+            "resolutions": run.resolutions.resolutions,
+            "seed": args.seed,
+        },
+        measure_latency=args.model_card_latency,
     )
 
 
-def save_student(accelerator, model, output_dir: Path, held_out: HeldOut) -> None:
-    """save_pretrained + image processor, loadable with AutoModel.from_pretrained; the loss's projection beside it."""
-    ds_plugin = accelerator.state.deepspeed_plugin
-    if accelerator.num_processes > 1 and not (ds_plugin is not None and ds_plugin.zero_stage == 3):
-        if replicas_agree(accelerator, model):
-            logger.info(f"The weights agree on all {accelerator.num_processes} processes.")
-        else:
-            logger.error("The weights differ between processes: data parallelism broke; rank 0's copy is saved.")
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
-    if not accelerator.is_main_process:
-        return
-    student_state = {k[len("student.") :]: v for k, v in state_dict.items() if k.startswith("student.")}
-    accelerator.unwrap_model(model).student.save_pretrained(output_dir, state_dict=student_state)
-    projection = {
-        k[len("criterion.projection.") :]: v for k, v in state_dict.items() if k.startswith("criterion.projection.")
-    }
-    if projection:  # widths differ: the trained map into the teacher's space, to compare features with it
-        save_file({k: v.contiguous() for k, v in projection.items()}, output_dir / PROJECTION_FILE)
-    # The settings the validation transform was derived from (`build_transform(validation_resolution, ...)`).
-    VecaImageProcessor.for_resolution(held_out.resolution).save_pretrained(output_dir)
+def build_run(
+    accelerator: Accelerator, model_args: ModelArguments, data_args: DataArguments, args: DistillationArguments,
+    resume_path: Path | None,
+) -> DistillationRun:  # fmt: skip
+    """The teacher, the student with its loss, the data and the optimiser, prepared, checked against each other and
+    restored from `resume_path` (a new run's when it is `None`)."""
+    teacher_path = resolve_teacher_on_all_ranks(
+        accelerator, model_args.teacher_name_or_path, model_args.teacher_fallback_dir,
+        model_args.allow_teacher_fallback,
+    )  # fmt: skip
+    teacher = load_teacher(accelerator, teacher_path, args.teacher_dtype, model_args.teacher_micro_batch_size)
+    model, budgets = build_model(model_args, args, teacher.model)
+    patch_size = model.student.config.patch_size
+
+    resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
+    validation_resolution = data_args.validation_resolution or resolutions.resolutions[0]
+    train_transform = build_transform(resolutions.max_resolution, train=True)
+    # Before any data is read: patch grids, channels and normalisation must agree (a ValueError says which).
+    check_teacher_student(
+        teacher.model.config,
+        model.student.config,
+        [*resolutions.resolutions, validation_resolution],
+        teacher_normalization(teacher.path),
+        transform_normalization(train_transform),
+    )
+    # Data: a deterministic stream per process; the largest resolution is loaded, each step resizes down.
+    train_stream, loader_kwargs, validation_stream = build_data(
+        accelerator, data_args, args, train_transform, validation_resolution
+    )
+    held_out = HeldOut.from_stream(
+        accelerator, validation_stream, teacher, patch_size, args.per_device_eval_batch_size, validation_resolution
+    )
+
+    optimizer, scheduler = build_optimization(model, args)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    guard = StepGuard(args.max_consecutive_nonfinite_steps)
+    progress = resume_progress(accelerator, resume_path, scheduler, guard)
+    output_dir = Path(args.output_dir)
+    return DistillationRun(
+        accelerator, model, optimizer, scheduler, guard, teacher, budgets, resolutions, held_out, progress,
+        batches=infinite_batches(
+            train_stream, loader_kwargs, args.seed, progress.position,
+            empty_stream_message(data_args, accelerator.num_processes),
+        ),
+        output_dir=output_dir,
+        # Credentials never reach a checkpoint or a tracker.
+        run_arguments=redact_secrets({**asdict(model_args), **asdict(data_args), **asdict(args)}),
+        checkpoints_total_limit=args.checkpoints_total_limit,
+        sample_sources=open_sample_sources(output_dir, accelerator.process_index) if args.log_sample_sources else None,
+    )  # fmt: skip
+
+
+def write_outputs(run: DistillationRun, data_args: DataArguments, args: DistillationArguments, repo_id) -> None:
+    """On the main process: distill_results.json, the before/after table, the model card, the push to the Hub."""
+    output_dir = run.output_dir
+    run.write_results()
+    if run.validation:
+        print("\n" + run.results_table())
+        print(
+            f"Next: probe it (python examples/linear_probe.py --model_name_or_path {output_dir} ...), look at "
+            f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
+            "or train longer and larger (docs/training.md)."
+        )
+    if run.budgets.sampler is not None:  # a VECA student (the dense control gets no card)
+        write_distilled_model_card(run, data_args, args, repo_id)
+    if repo_id is not None:
+        push_to_hub(output_dir, repo_id, token=args.hub_token, ignore_patterns=["veca_distill/*"])
+        print(f"Pushed {output_dir} to https://huggingface.co/{repo_id}")
+    print(
+        f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import veca_hf`)."
+    )
 
 
 def main():
@@ -765,173 +638,45 @@ def main():
     check_optimizer_backend(args.optimizer, uses_deepspeed=accelerator.state.deepspeed_plugin is not None)
     if repo_id is not None and accelerator.is_main_process:
         repo_id = create_hub_repo(repo_id, token=args.hub_token, private=args.hub_private_repo or None)
-    set_up_logging(accelerator)
+    setup_accelerator_logging(accelerator)
+    logger.info(
+        f"Mixed precision: {accelerator.mixed_precision}; {accelerator.num_processes} process(es) on "
+        f"{accelerator.device}."
+    )
     # Before any work, decided on the main process for all: what to resume from, and that no other run's checkpoints
     # are in the way (this run would replace them and rotate them away) unless --overwrite_output_dir removes them.
-    checkpoints_dir = output_dir / "checkpoints"
     resume_path = resolve_resume_path_on_all_ranks(
-        accelerator, args.resume_from_checkpoint, checkpoints_dir, overwrite=args.overwrite_output_dir
+        accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", overwrite=args.overwrite_output_dir
     )
     set_seed(args.seed)
 
-    teacher = load_teacher(accelerator, model_args, args)
-    model, student_config, budgets = build_model(model_args, args, teacher.model)
-
-    resolutions = ResolutionSchedule(data_args.resolution, seed=args.seed)
-    validation_resolution = data_args.validation_resolution or resolutions.resolutions[0]
-    train_transform = build_transform(resolutions.max_resolution, train=True)
-    # Before any data is read: patch grids, channels and normalisation must agree (a ValueError says which).
-    check_teacher_student(
-        teacher.model.config,
-        student_config,
-        [*resolutions.resolutions, validation_resolution],
-        teacher_normalization(teacher.path),
-        transform_normalization(train_transform),
-    )
-    # Data: a deterministic stream per process; the largest resolution is loaded, each step resizes down.
-    train_stream, loader_kwargs, validation_stream = build_data(
-        accelerator, data_args, args, train_transform, validation_resolution
-    )
-    held_out = held_out_targets(
-        accelerator, validation_stream, teacher, student_config.patch_size, args.per_device_eval_batch_size,
-        validation_resolution,
-    )  # fmt: skip
-
-    optimizer, scheduler = build_optimization(model, args)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    guard = StepGuard(args.max_consecutive_nonfinite_steps)
-    progress = resume(accelerator, resume_path, scheduler, guard)
-    if held_out.batches and progress.step == 0 and not progress.validation_history:  # the student at initialisation
-        validate(model, held_out, budgets.values, accelerator, progress)
-    empty_message = empty_stream_message(data_args, accelerator.num_processes)
-    batches = infinite_batches(train_stream, loader_kwargs, args.seed, progress.position, empty_message)
-
-    # Credentials never reach a checkpoint or a tracker.
-    run_arguments = redact_secrets({**asdict(model_args), **asdict(data_args), **asdict(args)})
+    run = build_run(accelerator, model_args, data_args, args, resume_path)
+    if run.held_out.batches and run.progress.step == 0 and not run.progress.validation_history:
+        run.validate()  # the student at initialisation
     if args.report_to != "none":
-        accelerator.init_trackers("veca_distill", config=run_arguments)
-    student = accelerator.unwrap_model(model).student
+        accelerator.init_trackers("veca_distill", config=run.run_arguments)
     logger.info(
-        f"Student: {sum(p.numel() for p in student.parameters()) / 1e6:.2f}M parameters, "
-        f"{accelerator.num_processes} process(es), budgets {budgets.values}, resolutions {resolutions.resolutions}."
+        f"Student: {sum(p.numel() for p in run.student.parameters()) / 1e6:.2f}M parameters, "
+        f"{accelerator.num_processes} process(es), budgets {run.budgets.values}, resolutions "
+        f"{run.resolutions.resolutions}."
     )
-
-    def checkpoint_now():
-        save_checkpoint(
-            accelerator,
-            checkpoints_dir,
-            progress.step,
-            training_state={
-                "step": progress.step,
-                "num_processes": accelerator.num_processes,
-                "scheduler": scheduler.state_dict(),
-                **guard.state_dict(),
-                "validation_history": progress.validation_history,
-                "args": run_arguments,
-            },
-            process_state={
-                **progress.position,
-                "images_seen": progress.images_seen,
-                "skipped_images": progress.skipped,
-            },
-            total_limit=args.checkpoints_total_limit,
-            check_finite=(model, optimizer),
-        )
-
-    sources_file = None
-    if args.log_sample_sources:
-        (output_dir / "sample_sources").mkdir(parents=True, exist_ok=True)
-        sources_file = open(output_dir / "sample_sources" / f"rank{accelerator.process_index}.txt", "a", buffering=1)
     try:
-        validation_results = train(
-            accelerator, args, model, optimizer, scheduler, guard, teacher, student_config.patch_size, budgets,
-            resolutions, batches, held_out, progress, checkpoint_now, sources_file,
-        )  # fmt: skip
+        train(run, args)
     except Exception as error:
-        report_stop(error, checkpoints_dir, progress)
+        run.report_stop(error)
         raise
     finally:
         # NOTE: shuts the DataLoader workers down now, also when the loop raised: they ignore SIGTERM, so at exit
         # multiprocessing would terminate them with SIGTERM and wait for them forever.
-        batches.close()
-    if sources_file is not None:
-        sources_file.close()
-    if held_out.batches and validation_results is None:  # resumed from the last step: no step ran to validate
-        validation_results = validation_losses(model, held_out.batches, budgets.values, accelerator)
+        run.close()
+    if run.held_out.batches and run.validation is None:  # resumed from the last step: no step ran to validate
+        run.validate(record=False)
 
     accelerator.wait_for_everyone()
-    save_student(accelerator, model, output_dir, held_out)
+    run.save_student()
     if accelerator.is_main_process:
-        write_summary_and_card(
-            accelerator, (model_args, data_args, args), model, output_dir, repo_id, teacher, progress, guard,
-            held_out, validation_results, budgets, resolutions,
-        )  # fmt: skip
+        write_outputs(run, data_args, args, repo_id)
     accelerator.end_training()
-
-
-def write_summary_and_card(
-    accelerator, arguments, model, output_dir: Path, repo_id, teacher: Teacher, progress: Progress, guard: StepGuard,
-    held_out: HeldOut, validation_results, budgets: Budgets, resolutions: ResolutionSchedule,
-):  # fmt: skip
-    """distill_results.json, the before/after table, the model card, and the push to the Hub."""
-    model_args, data_args, args = arguments
-    summary = {
-        "step": progress.step,
-        "images_seen_main_process": progress.images_seen,
-        "skipped_images": progress.skipped,
-        "nonfinite_steps": guard.nonfinite_steps,
-        "skipped_validation_images": held_out.skipped,
-        "student_model_type": accelerator.unwrap_model(model).student.config.model_type,
-        "validation": {budget_label(b): r for b, r in (validation_results or {}).items()},
-        "validation_history": progress.validation_history,
-    }
-    (output_dir / "distill_results.json").write_text(json.dumps(summary, indent=2))
-    if validation_results:
-        history = progress.validation_history
-        before = history[0]["losses"] if history[0]["step"] == 0 else None
-        table = before_after_table(
-            before, summary["validation"], progress.step, held_out.resolution, held_out.num_images
-        )
-        print("\n" + table)
-        print(
-            f"Next: probe it (python examples/linear_probe.py --model_name_or_path {output_dir} ...), look at "
-            f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
-            "or train longer and larger (docs/training.md)."
-        )
-    if budgets.sampler is not None:  # a VECA student (the dense control gets no card)
-        ds_plugin = accelerator.state.deepspeed_plugin
-        zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
-        write_model_card(
-            output_dir,
-            model=None if zero3 else accelerator.unwrap_model(model).student,  # ZeRO-3: time the saved copy
-            model_id=repo_id,
-            base_model=teacher.path,
-            datasets=data_args.dataset_name,
-            budget_metrics={
-                b: {"loss": r["loss"], "global 1-cos": r["global_loss"], "dense 1-cos": r["dense_cosine_loss"]}
-                for b, r in (validation_results or {}).items()
-            },
-            metrics_description=f"held-out distillation loss against the teacher at {held_out.resolution} px "
-            "(lower is better): the total, and 1 - cosine of the global and the dense features",
-            description="Distilled from its teacher (the base model below) with `examples/distill.py`.",
-            training_details={
-                "optimiser steps": progress.step,
-                "learning rate": args.learning_rate,
-                "batch size (all processes)": args.per_device_train_batch_size
-                * accelerator.num_processes
-                * args.gradient_accumulation_steps,
-                "budgets (weights)": f"{budgets.values} ({budgets.weights})",
-                "resolutions": resolutions.resolutions,
-                "seed": args.seed,
-            },
-            measure_latency=args.model_card_latency,
-        )
-    if repo_id is not None:
-        push_to_hub(output_dir, repo_id, token=args.hub_token, ignore_patterns=["veca_distill/*"])
-        print(f"Pushed {output_dir} to https://huggingface.co/{repo_id}")
-    print(
-        f"\nSaved the student to {output_dir.resolve()} (AutoModel.from_pretrained loads it after `import veca_hf`)."
-    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference_veca.py
 
+# Under pytest-xdist (`run.sh test`: one worker per core) each worker, and the processes its tests start, gets its
+# share of the cores rather than every core, so that the workers do not oversubscribe the machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 from veca_hf import VecaConfig  # noqa: E402
 
 

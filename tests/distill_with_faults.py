@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from veca_hf.training import distillation_run
+
 
 DISTILL = Path(__file__).resolve().parent.parent / "examples" / "distill.py"
 
@@ -59,7 +61,7 @@ def inject(distill) -> None:
     distill.StepGuard.install_signal_handler = remember_guard
 
     corrupt = nan_steps()
-    teacher_targets = distill.compute_teacher_targets
+    teacher_targets = distillation_run.compute_teacher_targets
 
     def maybe_corrupt(*args, **kwargs):
         targets = teacher_targets(*args, **kwargs)
@@ -67,10 +69,10 @@ def inject(distill) -> None:
             targets.cls.fill_(float("nan"))
         return targets
 
-    distill.compute_teacher_targets = maybe_corrupt
+    distillation_run.compute_teacher_targets = maybe_corrupt
 
     pause_after = os.environ.get("VECA_HF_TEST_PAUSE_AFTER_STEP")
-    save = distill.save_checkpoint
+    save = distillation_run.save_checkpoint
 
     def save_then_maybe_pause(accelerator, checkpoints_dir, step, *args, **kwargs):
         path = save(accelerator, checkpoints_dir, step, *args, **kwargs)
@@ -95,7 +97,7 @@ def inject(distill) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return path
 
-    distill.save_checkpoint = save_then_maybe_die
+    distillation_run.save_checkpoint = save_then_maybe_die
 
 
 if __name__ == "__main__":

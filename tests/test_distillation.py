@@ -23,6 +23,7 @@ from veca_hf.training.distillation import (
     teacher_image_size,
     validation_losses,
 )
+from veca_hf.training.distillation_run import StudentBudgets, budget_label
 from veca_hf.training.optimization import get_parameter_groups
 
 
@@ -329,3 +330,11 @@ def test_before_after_table_shows_loss_and_cosines_per_budget():
     assert "before" not in before_after_table(None, after, 120, 224, 3) and "| 8 | 1.2500 | 0.9100 |" in (
         before_after_table(None, after, 120, 224, 3)
     )
+
+
+def test_a_veca_student_draws_its_budgets_and_the_dense_control_has_one():
+    budgets = StudentBudgets.for_student(VecaModel(tiny_config()), "8,16", seed=0)
+    assert budgets.values == [8, 16] and {budgets.at(step) for step in range(50)} == {8, 16}
+    control = StudentBudgets.for_student(DINOv3ViTModel(dense_student_config(tiny_config())))
+    assert control.values == [None] and control.at(3) is None
+    assert [budget_label(b) for b in (8, None)] == ["8", "dense"]

@@ -229,7 +229,8 @@ def test_card_names_hub_ids_never_local_paths(tiny_folder, tmp_path, monkeypatch
 @pytest.mark.parametrize("hub", [False, True])
 def test_trainers_own_card_names_no_local_path(tmp_path, hub):
     """`Trainer.push_to_hub` uploads its own card before the VECA card replaces it: it gets Hub ids only."""
-    from veca_hf.training.scripts import BudgetArguments, train_evaluate_and_publish
+    from veca_hf.arguments import BudgetArguments
+    from veca_hf.training.scripts import train_evaluate_and_publish
 
     pushed = {}
 

@@ -251,6 +251,27 @@ def test_errors_out_of_the_retries_are_redacted_and_spent_retries_say_so():
     assert SECRET not in "".join(traceback.format_exception(error.value))
 
 
+def test_one_retry_rule_for_every_remote_read(caplog, monkeypatch):
+    """Passing faults are tried again up to the attempts in a row, a fixed wait apart, each retry logged redacted in
+    one form; the numbers configured in the main process are those every reader uses."""
+    retries = StreamRetries(3, 0.0)
+    refused = ConnectionRefusedError("Cannot connect to http://host/a.parquet")
+    assert [retries.is_retried(refused, attempt) for attempt in (1, 2, 3)] == [True, True, False]
+    assert not retries.is_retried(ValueError("not a parquet file"), 1)
+    hidden_503 = FileNotFoundError("Unable to find 'http://host/a.parquet'")  # how `datasets` reports one
+    assert retries.is_retried(hidden_503, 2, not_found_attempts=3) and not retries.is_retried(hidden_503, 1)
+    with caplog.at_level(logging.WARNING):
+        retries.back_off(f"Reading http://user:{SECRET}@host/a.parquet", refused, 2, "reopening it at row 4")
+    assert caplog.records[-1].getMessage() == (
+        "Reading http://<REDACTED>@host/a.parquet failed (ConnectionRefusedError: Cannot connect to "
+        "http://host/a.parquet); retry 2/2 in 0 s, reopening it at row 4."
+    )
+    _keep_retry_config(monkeypatch)
+    StreamRetries(7, 0.5).configure()
+    configured = StreamRetries.configured()
+    assert (configured.retries, configured.wait) == (7, 0.5)
+
+
 @pytest.fixture(scope="module")
 def credential_files(tmp_path_factory):
     """Eight PNG images, and two parquet shards of them whose stored paths are signed URLs (as a dataset built from

@@ -1,5 +1,6 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Command lines for the example scripts: flags, or a JSON / YAML file of them followed by flags that override it.
+"""Command lines for the example scripts: flags, or a JSON / YAML file of them followed by flags that override it;
+the budget flags every training script shares (`SampledBudgetArguments`, `BudgetArguments`).
 
 ```python
 from transformers import HfArgumentParser
@@ -19,7 +20,9 @@ import json
 import re
 import shlex
 import sys
+import typing
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,8 +32,11 @@ from transformers import HfArgumentParser
 
 __all__ = [
     "ARGS_FILE_SUFFIXES",
+    "BudgetArguments",
+    "SampledBudgetArguments",
     "CanonicalHelpFormatter",
     "canonical_dtype",
+    "check_counts",
     "parse_args_with_file",
     "redact_secrets",
     "redact_urls",
@@ -63,6 +69,19 @@ def canonical_dtype(flag: str, value: str, allowed: Sequence[str]) -> str:
             f"{' | '.join(shorts)})."
         )
     return name
+
+
+def check_counts(arguments, counts: dict[str, tuple[int, str]]) -> None:
+    """At parse time, a `ValueError` naming the flag, its value and the fix for every count below its minimum
+    (`counts`: flag -> (minimum, fix)), not an `IndexError` or a `ZeroDivisionError` deep in the run. `None` passes
+    where the field's type allows it (it means "not set"). Call it in an argument dataclass's `__post_init__`."""
+    for name, (low, fix) in counts.items():
+        value = getattr(arguments, name)
+        # NOTE: the annotation, not `Field.type`, which HfArgumentParser rewrites to the type without `None`
+        if value is None and type(None) in typing.get_args(typing.get_type_hints(type(arguments))[name]):
+            continue
+        if value is None or value < low:
+            raise ValueError(f"--{name} must be at least {low}, got {value}: {fix}.")
 
 
 class CanonicalHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -336,3 +355,38 @@ def parse_args_with_file(parser: HfArgumentParser, argv: Sequence[str] | None = 
         raise ValueError(f"{path}: {error}") from None
     except TypeError as error:  # a field without a default is missing
         raise ValueError(f"{path}: {error}: give it in the file or as a flag after it.") from None
+
+
+@dataclass
+class SampledBudgetArguments:
+    """The budgets drawn per optimiser step: the flags distillation and fine-tuning share."""
+
+    budgets: str | None = field(
+        default=None,
+        metadata={
+            "help": "Budgets drawn per step, e.g. '8,16,32'. Default: every budget of the model (the multiples of "
+            "core_chunk_size up to num_core_tokens: 8,16,...,64 for the presets)."
+        },
+    )
+    budget_weights: str | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling weights of --budgets. Default: ceil(4 i / K) for the i-th smallest of K budgets "
+            "(1,1,2,2,3,3,4,4 for 8 budgets, as in the paper)."
+        },
+    )
+
+
+@dataclass
+class BudgetArguments(SampledBudgetArguments):
+    """How many cores (the budget C) to train and evaluate with: the flags every fine-tuning script shares."""
+
+    num_core_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Training budget (without --sample_budgets), saved as the model's default budget."},
+    )
+    sample_budgets: bool = field(default=False, metadata={"help": "Draw the budget of every optimiser step."})
+    eval_budgets: str | None = field(
+        default=None,
+        metadata={"help": "Budgets to evaluate at, e.g. '8,16,64' (default: smallest, training default, largest)."},
+    )

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from transformers.utils import logging
 
 from .arguments import DTYPE_SPELLINGS, redact_urls
 from .data import decode_image
-from .data.sources import is_transient_network_error, remote_url_in_error, safe_cause
+from .data.retry import StreamRetries, remote_url_in_error, safe_cause
 from .data.stream import exit_with_parent
 
 
@@ -253,8 +252,8 @@ class PartBatches(torch.utils.data.IterableDataset):
 
     def _rows(self, source: int, start: int) -> Iterator[dict]:
         """Undecoded examples of one source from row `start`, reopened where it stopped after a network fault."""
-        attempts = datasets.config.STREAMING_OPEN_MAX_RETRIES
-        failures, row = 0, start
+        retries = StreamRetries.configured()
+        failures, row = 0, start  # network faults in a row
         while True:
             try:
                 for example in self.dataset.shard(self.num_sources, source).skip(row).iter(batch_size=1):
@@ -262,8 +261,8 @@ class PartBatches(torch.utils.data.IterableDataset):
                     row, failures = row + 1, 0
                 return
             except Exception as error:
-                url, failures = remote_url_in_error(error), failures + 1
-                if url is None or not is_transient_network_error(error) or failures >= attempts:
+                failures += 1
+                if not retries.is_retried(error, failures):
                     raise RuntimeError(
                         redact_urls(
                             f"Reading data source {source} failed at row {row} with {type(error).__name__}: {error}. "
@@ -271,8 +270,8 @@ class PartBatches(torch.utils.data.IterableDataset):
                             "finished files are kept."
                         )
                     ) from safe_cause(error)
-                logger.warning(redact_urls(f"Reading {url} failed ({error}); reopening it at row {row}."))
-                time.sleep(datasets.config.STREAMING_OPEN_RETRY_INTERVAL)
+                where = remote_url_in_error(error) or f"data source {source}"
+                retries.back_off(f"Reading {where}", error, failures, f"reopening it at row {row}")
 
     def __iter__(self) -> Iterator[dict]:
         exit_with_parent()

@@ -37,8 +37,8 @@ for epoch in range(num_epochs):
 
 Shapes: `B` batch, `H`/`W` image height/width, `r` resolution.
 
-The modules, one job each: `sources` (finding and opening the data), `decoding`, `transforms` (with collation),
-`stream` (the deterministic, resumable stream).
+The modules, one job each: `sources` (finding and opening the data), `retry` (passing network faults, one rule for
+every remote read), `decoding`, `transforms` (with collation), `stream` (the deterministic, resumable stream).
 """
 
 from .decoding import (
@@ -49,9 +49,9 @@ from .decoding import (
     SKIP_UNDECODABLE,
     decode_image,
 )
+from .retry import StreamRetries
 from .sources import (
     IMAGE_COLUMN_NAMES,
-    StreamRetries,
     check_shard_count,
     dataset_root,
     detect_image_column,

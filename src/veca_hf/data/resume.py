@@ -20,7 +20,6 @@ import io
 import os
 import shutil
 import tempfile
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -33,7 +32,7 @@ from datasets.table import table_cast
 from transformers.utils import logging
 
 from ..arguments import redact_urls
-from .sources import is_transient_network_error
+from .retry import StreamRetries
 
 
 logger = logging.get_logger(__name__)
@@ -86,21 +85,6 @@ def _open(file: str, storage_options: dict):
     if "file" in filesystem.protocol:
         return filesystem.open(path, "rb")
     return filesystem.open(path, "rb", cache_type="none")
-
-
-def _with_retries(function, url: str):
-    """`function()`, retried on transient network errors as the stream retries opening shards (`--stream_retries`,
-    `--stream_retry_wait`, through `datasets.config`)."""
-    attempts, wait = datasets.config.STREAMING_OPEN_MAX_RETRIES, datasets.config.STREAMING_OPEN_RETRY_INTERVAL
-    for attempt in range(1, attempts + 1):
-        try:
-            return function()
-        except Exception as error:
-            if attempt == attempts or not is_transient_network_error(error):
-                raise
-            logger.warning(redact_urls(f"Reading the footer of {url} failed ({type(error).__name__}: {error}); retry "
-                                       f"{attempt}/{attempts - 1} in {wait:g} s."))  # fmt: skip
-            time.sleep(wait)
 
 
 def _remove_if_owner(directory: str, owner: int) -> None:
@@ -160,8 +144,11 @@ class ParquetResume:
         """Read every shard's footer and write the twin (in a temporary folder removed when this object goes)."""
         self._directory = tempfile.mkdtemp(prefix="veca_hf_resume_")
         weakref.finalize(self, _remove_if_owner, self._directory, os.getpid())
+        retries = StreamRetries.configured()
         for shard, file in enumerate(self.files):
-            metadata = _with_retries(lambda file=file: self._read_footer(file), file)
+            metadata = retries.call(
+                lambda file=file: self._read_footer(file), f"{file} (its footer)", not_found_attempts=1
+            )
             self.metadata.append(metadata)
             sizes = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
             self.boundaries.append(np.cumsum([0, *sizes]))

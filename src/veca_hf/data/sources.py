@@ -1,7 +1,7 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """Finding the data: local image folders, parquet and webdataset shards, globs, Hub datasets and remote shards
 (`https://`, `s3://`, `gs://`, `hf://`, any fsspec filesystem), opened as streamed `datasets` datasets; broken
-shards; retries over the network; the image column.
+shards; the image column. Retries over the network follow `retry`.
 
 NOTE: a URL may carry credentials (`https://user:password@host/...`, a signed URL's `?X-Amz-Signature=...`): the
 real URL is what is read, but every log line and error message of `veca_hf.data` that names one passes it through
@@ -15,10 +15,8 @@ import logging as python_logging
 import os
 import re
 import tarfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import datasets
 from datasets.data_files import DataFilesDict, DataFilesList, _get_single_origin_metadata, get_data_patterns
@@ -30,6 +28,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.utils import logging
 
 from ..arguments import redact_urls
+from .retry import StreamRetries
 
 
 logger = logging.get_logger(__name__)
@@ -159,73 +158,6 @@ def http_timeout_options(files: Sequence[str], storage_options: dict | None, tim
     return options
 
 
-class StreamRetries:
-    """
-    How streaming survives a flaky network: `datasets` retries a failed read of an open shard (a dropped
-    connection, a timeout, a 5xx answer) by asking again for the same byte range, so a retried read yields exactly
-    the bytes of a clean one; this sets how often and how long it waits (`configure`, in every process and
-    DataLoader worker, since they fork after it), retries finding each data file and opening the dataset itself
-    (`resolve_data_files`, `call`), and makes each retry logged with the URL it concerns (`datasets`' own message
-    omits it), redacted.
-
-    Args:
-        retries (`int`): attempts per read, open or data file before the error is raised.
-        wait (`float`): seconds between attempts (doubled after each failed attempt when opening, up to 60 s).
-    """
-
-    def __init__(self, retries: int = 20, wait: float = 5.0):
-        if retries < 1 or wait < 0:
-            raise ValueError(f"--stream_retries {retries} must be >= 1 and --stream_retry_wait {wait} >= 0.")
-        self.retries, self.wait = retries, wait
-
-    def configure(self) -> None:
-        """Set `datasets`' streaming retries, add the URL to its retry warnings and redact the URLs it logs."""
-        config = datasets.config
-        config.STREAMING_READ_MAX_RETRIES = config.STREAMING_OPEN_MAX_RETRIES = self.retries
-        config.STREAMING_READ_RETRY_INTERVAL = config.STREAMING_OPEN_RETRY_INTERVAL = self.wait
-        config.STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL = self.wait
-        redact_datasets_logs()
-
-    def call(self, function: Callable[[], Any], what: str, not_found_attempts: int = 3) -> Any:
-        """
-        `function()`, retried on connection errors, timeouts and 5xx answers; other errors are raised at once.
-
-        Args:
-            function (`Callable`): what to run, e.g. opening a remote dataset.
-            what (`str`): what it does, for the messages (redacted there).
-            not_found_attempts (`int`, *optional*, defaults to 3): attempts for a `FileNotFoundError` that names a
-                remote URL and hides its cause (`datasets` reports a 503 while opening a shard as one); 1 where the
-                cause is kept, so that a missing file fails at once.
-
-        Raises:
-            `ConnectionError`: once the attempts are spent, naming `what` and the last error. Other errors are raised
-            as they are, or, when their message names a URL's credentials, as an error of their type with the
-            redacted message (without the chain, which a traceback would print).
-        """
-        wait, what = self.wait, redact_urls(what)
-        for attempt in range(1, self.retries + 1):
-            try:
-                return function()
-            except Exception as error:  # noqa: BLE001 - filtered just below
-                transient = is_transient_network_error(error)
-                unclear = isinstance(error, FileNotFoundError) and remote_url_in_error(error) is not None
-                if transient and attempt == self.retries:
-                    raise ConnectionError(
-                        f"Opening {what} failed after {self.retries} attempts (--stream_retries), with "
-                        f"{_describe(error)}. The server or the network is down: run again once it is back, or allow "
-                        "more attempts with --stream_retries and --stream_retry_wait."
-                    ) from safe_cause(error)
-                if not transient and not (unclear and attempt < min(not_found_attempts, self.retries)):
-                    redacted = redact_error(error)
-                    if redacted is error:
-                        raise
-                    raise redacted from None
-                logger.warning(f"Opening {what} failed ({_describe(error)}); retry {attempt}/{self.retries - 1} in "
-                               f"{wait:g} s.")  # fmt: skip
-                time.sleep(wait)
-                wait = min(2 * wait, 60.0)
-
-
 def _origin_metadata(file: str, download_config: DownloadConfig) -> tuple:
     """What `datasets` records of a data file to tell its versions apart (its ETag or mtime, the Hub revision), as
     `datasets.data_files._get_single_origin_metadata` reads it; FileNotFoundError if there is no such file."""
@@ -242,7 +174,7 @@ def _origin_metadata(file: str, download_config: DownloadConfig) -> tuple:
 
 
 def resolve_data_files(
-    files: Sequence[str], storage_options: dict | None = None, retries: "StreamRetries | None" = None
+    files: Sequence[str], storage_options: dict | None = None, retries: StreamRetries | None = None
 ) -> DataFilesList:
     """
     Remote data files resolved as `datasets.load_dataset` resolves them (each must exist; its ETag, mtime or Hub
@@ -288,58 +220,6 @@ def resolve_data_files(
             )
         )
     return DataFilesList(list(files), list(results))
-
-
-def _exception_chain(error: BaseException):
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def is_transient_network_error(error: BaseException) -> bool:
-    """A dropped or refused connection, a timeout or a 5xx answer anywhere in the chain of `error`."""
-    for item in _exception_chain(error):
-        status = getattr(item, "status", None) or getattr(getattr(item, "response", None), "status_code", None)
-        if isinstance(status, int) and 500 <= status < 600:
-            return True
-        if isinstance(item, (ConnectionError, TimeoutError)):
-            return True
-        if type(item).__module__.startswith("aiohttp") and "Response" not in type(item).__name__:
-            return True
-    return False
-
-
-def _describe(error: BaseException) -> str:
-    """The chain of `error`, one `Type: message` each, redacted."""
-    return redact_urls("; ".join(f"{type(e).__name__}: {str(e)[:200]}" for e in _exception_chain(error)))
-
-
-def safe_cause(error: BaseException) -> BaseException | None:
-    """`error`, to chain a redacted error to (`raise ... from safe_cause(error)`), or None when an error of its chain
-    names a URL's credentials: a traceback prints every cause."""
-    return None if any(redact_urls(str(item)) != str(item) for item in _exception_chain(error)) else error
-
-
-def redact_error(error: Exception) -> Exception:
-    """`error` itself, or when an error of its chain names a URL's credentials, an error of the same type (a
-    `RuntimeError` for types that cannot be built from a message) whose message is the redacted chain."""
-    if safe_cause(error) is error:
-        return error
-    try:
-        return type(error)(_describe(error))
-    except Exception:  # NOTE: e.g. aiohttp's errors need the request they answer
-        return RuntimeError(_describe(error))
-
-
-def remote_url_in_error(error: BaseException) -> str | None:
-    """The remote URL an error (or its causes) names, if any."""
-    for item in _exception_chain(error):
-        match = re.search(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", str(item))
-        if match:
-            return match.group(0)
-    return None
 
 
 class _RedactingFilter(python_logging.Filter):

@@ -18,13 +18,8 @@ from transformers.utils import logging
 from ..arguments import redact_urls
 from .decoding import DEFAULT_MAX_IMAGE_PIXELS, SKIP_PATH_NOT_ALLOWED, check_max_pixels, decode_image
 from .resume import POSITION_COLUMN, ParquetResume, parquet_files_of
-from .sources import (
-    detect_image_column,
-    is_transient_network_error,
-    redact_datasets_logs,
-    remote_url_in_error,
-    safe_cause,
-)
+from .retry import StreamRetries, is_transient_network_error, remote_url_in_error, safe_cause
+from .sources import detect_image_column, redact_datasets_logs
 
 
 logger = logging.get_logger(__name__)
@@ -287,6 +282,7 @@ class ImageStream(torch.utils.data.IterableDataset):
             )
         next_skip = self.skip_samples[worker_id] if self.skip_samples is not None else 0
         values = self._values(epoch, num_workers, worker_id, next_skip)
+        retries = StreamRetries.configured()
         failures = 0  # network faults in a row; `next_skip`: where to reopen the stream after one
         warned_paths = self.image_root is not None
         while True:
@@ -296,30 +292,20 @@ class ImageStream(torch.utils.data.IterableDataset):
             except StopIteration:
                 return
             except Exception as error:  # NOTE: a shard that breaks mid-read; images never raise (decode_image)
-                url = remote_url_in_error(error)  # redacted with the messages below
-                if url is not None and is_transient_network_error(error):
+                failures += 1
+                where = remote_url_in_error(error) or "the data stream"  # redacted with the messages below
+                if retries.is_retried(error, failures):
                     # NOTE: `datasets` retries failed reads of an open shard, not failures to open the next one:
                     # reopen the (deterministic) stream and pass over what this worker already read, undecoded.
-                    failures += 1
-                    attempts, wait = (
-                        datasets.config.STREAMING_OPEN_MAX_RETRIES,
-                        datasets.config.STREAMING_OPEN_RETRY_INTERVAL,
-                    )
-                    if failures < attempts:
-                        logger.warning(
-                            redact_urls(
-                                f"Reading {url} failed ({type(error).__name__}: {error}); reopening the stream of "
-                                f"rank {self.rank}, worker {worker_id} where it was, attempt {failures}/"
-                                f"{attempts - 1}, in {wait:g} s."
-                            )
-                        )
-                        time.sleep(wait)
-                        values = self._values(epoch, num_workers, worker_id, next_skip)
-                        continue
+                    how = f"reopening the stream of rank {self.rank}, worker {worker_id} where it was"
+                    retries.back_off(f"Reading {where}", error, failures, how)
+                    values = self._values(epoch, num_workers, worker_id, next_skip)
+                    continue
+                if is_transient_network_error(error):
                     raise RuntimeError(
                         redact_urls(
-                            f"Reading {url} failed for good (rank {self.rank}, epoch {epoch}, DataLoader worker "
-                            f"{worker_id}) after {attempts} attempts (--stream_retries), with "
+                            f"Reading {where} failed for good (rank {self.rank}, epoch {epoch}, DataLoader worker "
+                            f"{worker_id}) after {retries.retries} attempts (--stream_retries), with "
                             f"{type(error).__name__}: {error}. The server or the network is down: once it is back, "
                             "resume with --resume_from_checkpoint latest (the run continues exactly from its last "
                             "complete checkpoint)."

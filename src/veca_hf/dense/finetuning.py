@@ -3,7 +3,8 @@
 
 from transformers import TrainingArguments
 
-from ..training.scripts import BudgetArguments, finetuning_trainer, train_evaluate_and_publish
+from ..arguments import BudgetArguments
+from ..training.scripts import finetuning_trainer, train_evaluate_and_publish
 from .data import DenseCollator, DenseDataArguments, DenseTransform
 from .metrics import DepthMetrics, SegmentationMetrics, depth_loss_from_outputs
 from .models import DenseModelArguments, build_dense_processor, freeze_backbone

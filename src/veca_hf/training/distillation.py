@@ -3,8 +3,8 @@
 in `veca_hf.budgets`).
 
 They follow the elastic training and the distillation recipe of the paper (arXiv 2605.12491; docs/training.md
-lists the recipe as flags). Everything here is pure and testable; `examples/distill.py` is the glue that runs it
-with Accelerate.
+lists the recipe as flags). Everything here is pure and testable; `veca_hf.training.distillation_run` holds a run's
+state with Accelerate, and `examples/distill.py` is the glue that runs it.
 
 Shape legend: B batch, N patches, C active cores, D student width, Dt teacher width.
 """

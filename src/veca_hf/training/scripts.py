@@ -1,9 +1,9 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
 """The glue the fine-tuning scripts share (`examples/finetune_classification.py`, `finetune_segmentation.py`,
-`finetune_depth.py`), and the budget flags distillation shares with them.
+`finetune_depth.py`).
 
-- `SampledBudgetArguments`, `BudgetArguments`: the budget flags, and what they mean for a model
-  (`budget_sampler_from_args`, `eval_budgets_from_args`, `training_budget_description`).
+- What the budget flags (`veca_hf.arguments.BudgetArguments`) mean for a model: `budget_sampler_from_args`,
+  `eval_budgets_from_args`, `training_budget_description`.
 - `parse_finetuning_args`: flags (or an args file) into dataclasses, then the set-up every script needs: credentials
   off `sys.argv` and out of `TrainingArguments`, the CPU allocator, logging (`setup_logging`) and the seed. It has
   process-wide effects by design: scripts call it once, first.
@@ -14,7 +14,6 @@
 import logging as python_logging
 import os
 import sys
-from dataclasses import dataclass, field
 
 import transformers
 from torch import nn
@@ -22,7 +21,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
-from ..arguments import parse_args_with_file
+from ..arguments import BudgetArguments, parse_args_with_file
 from ..budgets import BudgetSampler, parse_number_list, training_budgets
 from ..cpu.allocator import tune_cpu_allocator
 from ..hub.access import take_credentials
@@ -32,41 +31,6 @@ from .trainer import VecaTrainer, evaluate_and_save_budgets
 
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass
-class SampledBudgetArguments:
-    """The budgets drawn per optimiser step: the flags distillation and fine-tuning share."""
-
-    budgets: str | None = field(
-        default=None,
-        metadata={
-            "help": "Budgets drawn per step, e.g. '8,16,32'. Default: every budget of the model (the multiples of "
-            "core_chunk_size up to num_core_tokens: 8,16,...,64 for the presets)."
-        },
-    )
-    budget_weights: str | None = field(
-        default=None,
-        metadata={
-            "help": "Sampling weights of --budgets. Default: ceil(4 i / K) for the i-th smallest of K budgets "
-            "(1,1,2,2,3,3,4,4 for 8 budgets, as in the paper)."
-        },
-    )
-
-
-@dataclass
-class BudgetArguments(SampledBudgetArguments):
-    """How many cores (the budget C) to train and evaluate with: the flags every fine-tuning script shares."""
-
-    num_core_tokens: int | None = field(
-        default=None,
-        metadata={"help": "Training budget (without --sample_budgets), saved as the model's default budget."},
-    )
-    sample_budgets: bool = field(default=False, metadata={"help": "Draw the budget of every optimiser step."})
-    eval_budgets: str | None = field(
-        default=None,
-        metadata={"help": "Budgets to evaluate at, e.g. '8,16,64' (default: smallest, training default, largest)."},
-    )
 
 
 def budget_sampler_from_args(budget_args: BudgetArguments, model: nn.Module, seed: int) -> BudgetSampler | None:
@@ -236,8 +200,6 @@ def train_evaluate_and_publish(
 
 
 __all__ = [
-    "BudgetArguments",
-    "SampledBudgetArguments",
     "budget_sampler_from_args",
     "eval_budgets_from_args",
     "finetuning_trainer",
