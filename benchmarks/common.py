@@ -177,15 +177,15 @@ def model_configs(
 
 def student_with_loss(veca_config, dense: bool, teacher_width: int | None = None, attn_implementation=None):
     """A student of one training step, in train mode: VECA, or (`dense`) the dense student of
-    `dense_student_config(veca_config)` (`DINOv3ViTModel` with VECA's width, depth and SwiGLU MLP, one CLS, no
+    `full_attention_student_config(veca_config)` (`DINOv3ViTModel` with VECA's width, depth and SwiGLU MLP, one CLS, no
     registers), inside `StudentWithLoss` with `DistillationLoss` towards targets of `teacher_width`."""
     from transformers import DINOv3ViTModel
 
     from veca_hf import VecaModel
-    from veca_hf.training.distillation import DistillationLoss, StudentWithLoss, dense_student_config
+    from veca_hf.training.distillation import DistillationLoss, StudentWithLoss, full_attention_student_config
 
     if dense:
-        config = dense_student_config(veca_config)
+        config = full_attention_student_config(veca_config)
         if attn_implementation:
             config._attn_implementation = attn_implementation
         student = DINOv3ViTModel(config)

@@ -17,8 +17,8 @@ Modes:
   `(B, 5 + N, D)`.
 - `both`: the two, one after the other.
 - `train`: one training step of the student alone (forward, backward, AdamW), VECA at
-  each budget vs the dense student of `veca_hf.training.distillation.dense_student_config` (reported as DINOv3),
-  with the training targets (MET / NOT MET).
+  each budget vs the full-attention student of `veca_hf.training.distillation.full_attention_student_config`
+  (reported as DINOv3), with the training targets (MET / NOT MET).
 - `memory`: peak memory against resolution, VECA at the largest budget vs DINOv3, inference at `--resolutions` and
   one training step (as in `train`) at `--train_resolutions`, every point in a fresh process (`measure_point`: what
   is measured), with the log-log slope of the call's peak against the patches N and the largest square resolution
@@ -73,7 +73,7 @@ from veca_hf.flops import (
     veca_training_flops,
 )
 from veca_hf.model.modeling_veca import VecaCorePeripheryAttention, VecaRopePositionEmbedding, get_patch_coordinates
-from veca_hf.training.distillation import dense_student_config
+from veca_hf.training.distillation import full_attention_student_config
 
 
 DINOV3 = "DINOv3"
@@ -447,8 +447,8 @@ def _train_batches(seed: int, width: int, patch_size: int, device: torch.device)
 def train_cases(args, veca_config, dinov3_config, device, dtype) -> list[Case]:
     """One training step of the student alone, as in a distillation step once the teacher's targets exist:
     `common.student_with_loss` against fixed random targets, backward, AdamW. The dense control (the dense student of
-    `dense_student_config`) is reported under the name DINOv3; `dinov3_config` is not used."""
-    dense_config = dense_student_config(veca_config)
+    `full_attention_student_config`) is reported under the name DINOv3; `dinov3_config` is not used."""
+    dense_config = full_attention_student_config(veca_config)
     width = veca_config.hidden_size
 
     def students():
@@ -830,7 +830,8 @@ def main(argv: list[str] | None = None) -> dict:
         notes.append(
             "Train mode: one step of the student alone (StudentWithLoss with DistillationLoss against fixed random "
             "targets, backward, AdamW step at learning rate 1e-5), VECA vs "
-            "the dense student of veca_hf.training.distillation.dense_student_config (DINOv3ViTModel, same width, "
+            "the full-attention student of veca_hf.training.distillation.full_attention_student_config "
+            "(DINOv3ViTModel, same width, "
             "depth and SwiGLU MLP, CLS, no registers), both in train mode. Training FLOPs: analytic 3 x forward - "
             "patch embedding (its input needs no gradient), which is what the counter measures; the optimiser step "
             "and the loss are elementwise and not counted. The attention share is that of the forward's attention "
@@ -881,7 +882,7 @@ def main(argv: list[str] | None = None) -> dict:
         "notes": notes,
     }
     if "train" in modes:  # train mode's "DINOv3" is the dense student, not dinov3_config
-        dense = dense_student_config(veca_config)
+        dense = full_attention_student_config(veca_config)
         result["models"]["dense_student"] = {
             k: getattr(dense, k) for k in (*shared, "num_register_tokens", "use_gated_mlp")
         }

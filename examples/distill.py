@@ -109,8 +109,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "A config JSON file or folder; overrides --student_preset. A VecaConfig trains VECA; a "
-            "DINOv3ViTConfig (veca_hf.training.distillation.dense_student_config) trains the dense control, without "
-            "budgets."
+            "DINOv3ViTConfig (veca_hf.training.distillation.full_attention_student_config) trains the full-attention "
+            "control, without budgets."
         },
     )
     student_overrides: str | None = field(
@@ -616,7 +616,7 @@ def write_outputs(run: DistillationRun, data_args: DataArguments, args: Distilla
             f"its cores (python examples/visualize_cores.py --model_name_or_path {output_dir} --image <photo>), "
             "or train longer and larger (docs/training.md)."
         )
-    if run.budgets.sampler is not None:  # a VECA student (the dense control gets no card)
+    if run.budgets.sampler is not None:  # a VECA student (the full-attention control gets no card)
         write_distilled_model_card(run, data_args, args, repo_id)
     if repo_id is not None:
         push_to_hub(output_dir, repo_id, token=args.hub_token, ignore_patterns=["veca_distill/*"])

@@ -209,11 +209,11 @@ def test_train_mode_counts_training_flops(train_run):
     result, stdout = train_run
     from veca_hf import VecaConfig
     from veca_hf.flops import dinov3_model_flops, patch_embedding_flops, veca_model_flops
-    from veca_hf.training.distillation import dense_student_config
+    from veca_hf.training.distillation import full_attention_student_config
 
     common = import_benchmark("common")
     config = VecaConfig.from_preset("veca-s16", **{**common.TINY, "num_hidden_layers": 1})  # --num_hidden_layers 1
-    dense = dense_student_config(config)
+    dense = full_attention_student_config(config)
     assert len(result["points"]) == 2 * (1 + len(BUDGETS))
     assert (
         result["models"]["dense_student"]["use_gated_mlp"]
@@ -269,17 +269,17 @@ def test_counted_training_flops_equal_three_forwards_minus_patch_embedding(budge
 
     from veca_hf import VecaConfig, VecaModel
     from veca_hf.flops import count_training_flops, dinov3_training_flops, veca_training_flops
-    from veca_hf.training.distillation import DistillationLoss, StudentWithLoss, dense_student_config
+    from veca_hf.training.distillation import DistillationLoss, StudentWithLoss, full_attention_student_config
 
     config = VecaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=170,
                         core_bank_size=16, core_chunk_size=8)  # fmt: skip
     with torch.device("meta"):
-        student = DINOv3ViTModel(dense_student_config(config)) if budget is None else VecaModel(config)
+        student = DINOv3ViTModel(full_attention_student_config(config)) if budget is None else VecaModel(config)
         module = StudentWithLoss(student, DistillationLoss(64, 64)).train()
         x, cls, patches = torch.empty(2, 3, 64, 96), torch.empty(2, 64), torch.empty(2, 24, 64)
     counted = count_training_flops(lambda: module(x, budget, cls, patches)["loss"])
     if budget is None:
-        assert counted == dinov3_training_flops(dense_student_config(config), 64, 96, batch_size=2)
+        assert counted == dinov3_training_flops(full_attention_student_config(config), 64, 96, batch_size=2)
     else:
         assert counted == veca_training_flops(config, 64, 96, budget, batch_size=2)
 

@@ -20,7 +20,7 @@ from transformers import AutoModel, Dinov2Config, Dinov2Model, DINOv3ViTModel, V
 
 from veca_hf import VecaConfig, VecaModel
 from veca_hf.cpu.hardware import cpu_bf16_support
-from veca_hf.training.distillation import dense_student_config
+from veca_hf.training.distillation import full_attention_student_config
 
 
 ROOT = Path(__file__).parent.parent
@@ -304,7 +304,7 @@ def test_dense_student_sees_the_same_data_and_saves_a_dinov3_model(workspace, tm
     saved at the end."""
     common = dict(log_sample_sources="true", max_train_steps=3, checkpointing_steps=0, validation_steps=3)
     run_distill(distill_args(workspace, tmp_path / "veca", **common))
-    dense_config = dense_student_config(VecaConfig.from_pretrained(workspace / "student"))
+    dense_config = full_attention_student_config(VecaConfig.from_pretrained(workspace / "student"))
     dense_config.save_pretrained(tmp_path / "dense-config")
     result = run_distill(
         distill_args(workspace, tmp_path / "dense", student_config=tmp_path / "dense-config", **common)
@@ -500,7 +500,7 @@ def test_start_from_a_saved_student(workspace, tmp_path):
     )
     assert result.returncode != 0 and "brings its own config; drop --student_config" in result.stderr
     # the dense control too
-    DINOv3ViTModel(dense_student_config(tiny_config())).save_pretrained(tmp_path / "dense-stage1")
+    DINOv3ViTModel(full_attention_student_config(tiny_config())).save_pretrained(tmp_path / "dense-stage1")
     run_distill(args + ["--student_name_or_path", str(tmp_path / "dense-stage1"),
                         "--output_dir", str(tmp_path / "dense-stage2")])  # fmt: skip
     before = load_file(tmp_path / "dense-stage1" / "model.safetensors")

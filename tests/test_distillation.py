@@ -18,7 +18,7 @@ from veca_hf.training.distillation import (
     before_after_table,
     build_student_config,
     compute_teacher_targets,
-    dense_student_config,
+    full_attention_student_config,
     teacher_autocast_dtype,
     teacher_image_size,
     validation_losses,
@@ -234,7 +234,7 @@ def test_loss_falls_when_overfitting_a_tiny_set():
 
 def test_dense_student_matches_veca_size_except_cores_and_layer_scale():
     config = tiny_config()
-    dense = DINOv3ViTModel(dense_student_config(config))
+    dense = DINOv3ViTModel(full_attention_student_config(config))
     veca = VecaModel(config)
     for name in (
         "hidden_size",
@@ -267,7 +267,7 @@ def test_student_with_loss_reads_cls_and_patches_of_a_dense_student():
     pixel_values = torch.randn(2, 3, 32, 48)
     targets = compute_teacher_targets(teacher, pixel_values, 16)
     for num_register_tokens in (0, 2):
-        dense = DINOv3ViTModel(dense_student_config(config, num_register_tokens=num_register_tokens)).eval()
+        dense = DINOv3ViTModel(full_attention_student_config(config, num_register_tokens=num_register_tokens)).eval()
         criterion = DistillationLoss(64, 64)
         terms = StudentWithLoss(dense, criterion)(pixel_values, None, targets.cls, targets.patches)
         hidden = dense(pixel_values).last_hidden_state  # (2, 1 + R + 6, 64)
@@ -335,6 +335,6 @@ def test_before_after_table_shows_loss_and_cosines_per_budget():
 def test_a_veca_student_draws_its_budgets_and_the_dense_control_has_one():
     budgets = StudentBudgets.for_student(VecaModel(tiny_config()), "8,16", seed=0)
     assert budgets.values == [8, 16] and {budgets.at(step) for step in range(50)} == {8, 16}
-    control = StudentBudgets.for_student(DINOv3ViTModel(dense_student_config(tiny_config())))
+    control = StudentBudgets.for_student(DINOv3ViTModel(full_attention_student_config(tiny_config())))
     assert control.values == [None] and control.at(3) is None
     assert [budget_label(b) for b in (8, None)] == ["8", "dense"]

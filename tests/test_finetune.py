@@ -368,11 +368,11 @@ def test_pick_budget_says_when_no_budget_is_cheaper_than_a_dense_vit(caplog):
     from transformers import DINOv3ViTModel
 
     from veca_hf.flops import count_flops, dense_twin_model_flops, veca_model_flops
-    from veca_hf.training.distillation import dense_student_config
+    from veca_hf.training.distillation import full_attention_student_config
 
     config = tiny_config()
     model = VecaModel(config)
-    dense = DINOv3ViTModel(dense_student_config(config)).eval()
+    dense = DINOv3ViTModel(full_attention_student_config(config)).eval()
     for side in (32, 256):  # the analytic count is what the dense twin really does
         assert dense_twin_model_flops(config, side, side) == count_flops(dense, torch.randn(1, 3, side, side))
 

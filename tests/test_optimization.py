@@ -12,7 +12,7 @@ from veca_hf import VecaModel
 from veca_hf.training.distillation import (
     DistillationLoss,
     StudentWithLoss,
-    dense_student_config,
+    full_attention_student_config,
     init_patch_embeddings_from_teacher,
     patch_embedding_conv,
 )
@@ -69,7 +69,7 @@ def test_normuon_takes_the_blocks_hidden_matrices_but_the_last_mlp_output():
 
 
 def test_the_dense_control_gets_the_same_split():
-    model = StudentWithLoss(DINOv3ViTModel(dense_student_config(tiny_config())), DistillationLoss(64, 64))
+    model = StudentWithLoss(DINOv3ViTModel(full_attention_student_config(tiny_config())), DistillationLoss(64, 64))
     hidden = normuon_parameter_names(model)
     assert len(hidden) == 2 * 7 - 1  # q, k, v, o, gate, up, down per block, less the last down
     assert "student.model.layer.1.mlp.down_proj.weight" not in hidden
@@ -176,7 +176,9 @@ def dinov2_teacher(patch_size: int = 16, hidden_size: int = 64) -> Dinov2Model:
 def test_auto_copies_the_teacher_patch_embedding_when_the_shapes_match(teacher_kind, student_kind, caplog):
     teacher = dinov2_teacher() if teacher_kind == "dinov2" else DINOv3ViTModel(tiny_dinov3_config())
     student = (
-        VecaModel(tiny_config()) if student_kind == "veca" else DINOv3ViTModel(dense_student_config(tiny_config()))
+        VecaModel(tiny_config())
+        if student_kind == "veca"
+        else DINOv3ViTModel(full_attention_student_config(tiny_config()))
     )
     with caplog.at_level(logging.INFO):
         assert init_patch_embeddings_from_teacher(student, teacher, "auto")

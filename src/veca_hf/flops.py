@@ -194,9 +194,9 @@ def dinov3_model_flops(config: Any, height: int, width: int, batch_size: int = 1
 
 def dense_twin_model_flops(config: VecaConfig, height: int, width: int, batch_size: int = 1) -> int:
     """FLOPs of one forward of the dense ViT of VECA's size: the same width, depth, patch size and SwiGLU MLP, one CLS
-    token, no registers (`veca_hf.training.distillation.dense_student_config`), so that only the attention pattern
-    differs. Its MLP costs what DINOv3's GELU MLP of the same size costs (VECA-B: `6 T D 2048` against `4 T D 3072`):
-    the comparison [`veca_hf.latency.pick_budget`] reports.
+    token, no registers (`veca_hf.training.distillation.full_attention_student_config`), so that only the attention
+    pattern differs. Its MLP costs what DINOv3's GELU MLP of the same size costs (VECA-B: `6 T D 2048` against
+    `4 T D 3072`): the comparison [`veca_hf.latency.pick_budget`] reports.
 
     Args:
         config (`VecaConfig`): The VECA model configuration.

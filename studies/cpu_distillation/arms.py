@@ -4,8 +4,8 @@
 recipe and training length apart, each distilled with one or more seeds.
 
 Every run (a configuration and a seed) distils a VECA and its dense control (`examples/distill.py` with a
-`dense_student_config` as `--student_config`: the same stream, steps and loss; only the attention pattern differs)
-from the same teacher on the pool of `study.py` (65,000 images: Fashion-MNIST's training set and
+`full_attention_student_config` as `--student_config`: the same stream, steps and loss; only the attention pattern
+differs) from the same teacher on the pool of `study.py` (65,000 images: Fashion-MNIST's training set and
 crops of real photos), with patch-14 students. A seed changes the initialisation and the data order; the pool, the
 probes and the bootstrap stay.
 

@@ -10,7 +10,7 @@ defaults). One reproducible run of the example scripts:
    Fashion-MNIST test images and crops of held-out photos;
 2. `examples/distill.py`: a small VECA distilled from a real pretrained DINOv2-S/14 on that
    stream, with nested budgets;
-3. `examples/distill.py --student_config <dense_student_config>`: a `DINOv3ViTModel` of the same width, depth
+3. `examples/distill.py --student_config <full_attention_student_config>`: a `DINOv3ViTModel` of the same width, depth
    and MLP: same stream
    (seeded: the same images, crops and order), steps and loss;
 4. a randomly initialised VECA of the same size (the floor);
@@ -163,14 +163,14 @@ def forwarded(args: StudyArguments, *names: str) -> dict:
 
 def distill_command(args: StudyArguments, teacher: str, data_dir: Path, kind: str, output_dir: Path) -> list:
     """`examples/distill.py`'s command for the `"veca"` student or its `"dense"` control. The control's config
-    (`dense_student_config` of the VECA size) is written to `output_dir/student_config.json`."""
+    (`full_attention_student_config` of the VECA size) is written to `output_dir/student_config.json`."""
     if kind == "dense":
-        from veca_hf.training.distillation import build_student_config, dense_student_config
+        from veca_hf.training.distillation import build_student_config, full_attention_student_config
 
         config_path = output_dir / "student_config.json"
         output_dir.mkdir(parents=True, exist_ok=True)
         veca_config = build_student_config(None, args.student_preset, args.student_overrides)
-        dense_student_config(veca_config).to_json_file(config_path)
+        full_attention_student_config(veca_config).to_json_file(config_path)
         student = dict(student_config=str(config_path))
     else:
         student = forwarded(args, "student_preset", "student_overrides")

@@ -1,6 +1,6 @@
 # Copyright 2026 The veca_hf Authors. Licensed under the Apache License, Version 2.0.
-"""Distillation pieces: resolution sampling, teacher targets, the loss, the dense control student (the budgets are
-in `veca_hf.budgets`).
+"""Distillation pieces: resolution sampling, teacher targets, the loss, the full-attention control student (the
+budgets are in `veca_hf.budgets`).
 
 They follow the elastic training and the distillation recipe of the paper (arXiv 2605.12491; docs/training.md
 lists the recipe as flags). Everything here is pure and testable; `veca_hf.training.distillation_run` holds a run's
@@ -146,7 +146,7 @@ def check_teacher_student(
 
     Args:
         teacher_config: the teacher's `config` (DINOv3 / DINOv2).
-        student_config: the student's config (`VecaConfig` or the dense control's `DINOv3ViTConfig`).
+        student_config: the student's config (`VecaConfig` or the full-attention control's `DINOv3ViTConfig`).
         resolutions (`Sequence[int]`): every training and validation resolution.
         teacher_mean_std (`tuple`, *optional*): the teacher's `(mean, std)` (see `teacher_normalization`);
             `None` when unknown (not checked).
@@ -247,7 +247,9 @@ PROJECTION_FILE = "distillation_projection.safetensors"
 
 
 class DistillationLoss(nn.Module):
-    """`L = L_global + dense_weight * (L_dense_cos + mse_weight * L_dense_mse)` in fp32: the paper's objective.
+    """`L = L_global + dense_weight * (L_dense_cos + mse_weight * L_dense_mse)` in fp32: the paper's objective. Its
+    "dense" terms are those on the patch tokens (the paper's name, kept in the flag `--dense_weight` and in the logged
+    `dense_cosine_loss` / `dense_mse_loss`); they have nothing to do with dense tasks or the full-attention control.
 
     - `L_global = mean_b (1 - cos(student global core, teacher CLS))`
     - `L_dense_cos = mean_{b,n} (1 - cos(student patch, teacher patch))`
@@ -365,7 +367,7 @@ _DENSE_STUDENT_COPIED_FIELDS = (
 )  # fmt: skip
 
 
-def dense_student_config(config: VecaConfig, num_register_tokens: int = 0) -> DINOv3ViTConfig:
+def full_attention_student_config(config: VecaConfig, num_register_tokens: int = 0) -> DINOv3ViTConfig:
     """A `DINOv3ViTConfig` of the same size as a VECA config: the control student whose only difference is dense
     patch-to-patch attention (and a CLS token in place of the core bank).
 
@@ -467,7 +469,7 @@ def build_student(
     """The student to distil: the saved model at `student_name_or_path`, or random weights from a config.
 
     The config decides the model: a VECA config (a preset, a saved `VecaConfig`, with `student_overrides`) gives a
-    `VecaModel`; a saved `DINOv3ViTConfig` (e.g. `dense_student_config`'s, the attention-pattern control) gives a
+    `VecaModel`; a saved `DINOv3ViTConfig` (e.g. `full_attention_student_config`'s, the control) gives a
     `DINOv3ViTModel`, trained without budgets. Anything else is a `ValueError`: the loss reads VECA's or DINOv3's
     token layout.
     """
@@ -500,7 +502,7 @@ def _check_student_model_type(model_type: str, source: str) -> None:
     if model_type not in ("veca", "dinov3_vit"):
         raise ValueError(
             f"The student {source} is a {model_type!r} model; distillation trains a VECA student ('veca') or its "
-            "dense control ('dinov3_vit', see veca_hf.training.distillation.dense_student_config)."
+            "full-attention control ('dinov3_vit', see veca_hf.training.distillation.full_attention_student_config)."
         )
 
 
@@ -590,7 +592,7 @@ __all__ = [
     "build_student_config",
     "check_teacher_student",
     "compute_teacher_targets",
-    "dense_student_config",
+    "full_attention_student_config",
     "init_patch_embeddings_from_teacher",
     "patch_embedding_conv",
     "TEACHER_DTYPES",

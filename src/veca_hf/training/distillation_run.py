@@ -75,7 +75,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def budget_label(budget: int | None) -> str:
-    """How a budget is named in results and logs: its number, or `"dense"` for the dense control."""
+    """How a budget is named in results and logs: its number, or `"dense"` for the full-attention control."""
     return "dense" if budget is None else str(budget)
 
 
@@ -113,8 +113,8 @@ def load_teacher(
 
 @dataclass
 class StudentBudgets:
-    """The budgets a student trains at (one drawn per step) and is validated at (all of them). The dense control has
-    no budget dial: one "budget", `None`, validated and reported as "dense"."""
+    """The budgets a student trains at (one drawn per step) and is validated at (all of them). The full-attention
+    control has no budget dial: one "budget", `None`, validated and reported as "dense"."""
 
     values: list
     weights: list | None = None
