@@ -22,7 +22,8 @@ from shard_server import ShardServer
 from test_distill_script import ROOT, run_env, two_cpu_processes
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTModel
 
-from veca_hf import VecaImageProcessor, VecaModel, hardware
+from veca_hf import VecaImageProcessor, VecaModel
+from veca_hf.cpu import hardware
 from veca_hf.embedding import part_info, resolution_overrides
 
 

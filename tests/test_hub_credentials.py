@@ -194,14 +194,14 @@ def test_every_script_takes_its_credentials_off_the_command_line(name, monkeypat
         monkeypatch.setattr(script, "Accelerator", lambda *args: (_ for _ in ()).throw(Parsed()))
         argv, run = ["--model_name_or_path", "m", "--dataset_name", url, *options, *output], script.main
     else:  # the fine-tuning scripts share their parsing
-        import veca_hf.training.trainer as trainer
+        import veca_hf.training.scripts as scripts
 
-        monkeypatch.setattr(trainer, "tune_cpu_allocator", lambda: None)
-        monkeypatch.setattr(trainer, "setup_logging", lambda *args: (_ for _ in ()).throw(Parsed()))
+        monkeypatch.setattr(scripts, "tune_cpu_allocator", lambda: None)
+        monkeypatch.setattr(scripts, "setup_logging", lambda *args: (_ for _ in ()).throw(Parsed()))
         argv = ["--model_name_or_path", "m", "--dataset_name", url, *output, "--do_train", "--report_to", "none", *hub]
 
         def run():
-            trainer.parse_finetuning_args((script.ModelArguments, script.DataTrainingArguments), script.logger)
+            scripts.parse_finetuning_args((script.ModelArguments, script.DataTrainingArguments), script.logger)
 
     monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
     with pytest.raises(Parsed):
