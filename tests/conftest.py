@@ -10,9 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
+
+# Under pytest-xdist (`run.sh test`: one worker per core) each worker, and the processes its tests start, gets its
+# share of the cores rather than every core, so that the workers do not oversubscribe the machine. Set before torch
+# loads OpenMP, so that every thread (a test's thread pool included) starts with the same count.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,13 +28,6 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference_veca.py
 
-# Under pytest-xdist (`run.sh test`: one worker per core) each worker, and the processes its tests start, gets its
-# share of the cores rather than every core, so that the workers do not oversubscribe the machine.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
-    torch.set_num_threads(_THREADS)
-    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 from veca_hf import VecaConfig  # noqa: E402
 
