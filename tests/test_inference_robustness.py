@@ -348,8 +348,14 @@ def test_threads_get_the_outputs_of_one_thread(model):
     # CPU GEMMs of one shape are deterministic. A difference means shared state, not rounding.
     expected = [_run_job(model, job) for job in THREAD_JOBS]
     jobs = THREAD_JOBS * 3
+    threads = torch.get_num_threads()  # OpenMP's count is per thread: each pool thread takes the main thread's
+
+    def run_in_pool(job):
+        torch.set_num_threads(threads)
+        return _run_job(model, job)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda job: _run_job(model, job), jobs))
+        results = list(pool.map(run_in_pool, jobs))
     for index, (hidden, coordinates) in enumerate(results):
         want_hidden, want_coordinates = expected[index % len(THREAD_JOBS)]
         assert torch.equal(hidden, want_hidden), f"job {jobs[index]}"
