@@ -265,13 +265,20 @@ BUDGETS = st.sampled_from([True, True, False]).flatmap(
 )
 
 
-def _budget_or_none(budget) -> int | None:
-    """The number of active cores a budget means, or None if it has to be refused."""
+def _budget_or_none(budget, batch_size: int) -> int | None:
+    """The number of active cores a budget means (the largest, for one budget per image), or None if it has to be
+    refused. A sequence of one budget serves the whole batch."""
     if budget is None:
         return BANK
     if isinstance(budget, torch.Tensor):
-        integer = not (budget.dtype.is_floating_point or budget.dtype == torch.bool)
-        return int(budget) if integer and budget.numel() == 1 and int(budget) in (8, 16) else None
+        if budget.dtype.is_floating_point or budget.dtype == torch.bool or budget.ndim > 1:
+            return None
+        budget = budget.tolist() if budget.ndim == 1 else int(budget)
+    if isinstance(budget, (list, tuple)):
+        if len(budget) not in (1, batch_size):
+            return None
+        budgets = [_budget_or_none(value, 1) if not isinstance(value, (list, tuple)) else None for value in budget]
+        return None if None in budgets else max(budgets)
     if isinstance(budget, (int, np.integer)) and not isinstance(budget, bool):
         return int(budget) if int(budget) in (8, 16) else None
     return None
@@ -281,7 +288,7 @@ def _budget_or_none(budget) -> int | None:
 @given(data=pixel_value_tensors(), budget=BUDGETS)
 def test_model_works_or_raises_value_error(model, data, budget):
     pixel_values, meta = data
-    num_cores = _budget_or_none(budget)
+    num_cores = _budget_or_none(budget, pixel_values.shape[0])
     event("valid" if meta["valid"] and num_cores is not None else "refused")
     if not meta["valid"] or num_cores is None:
         with pytest.raises(ValueError) as error:

@@ -101,6 +101,12 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
         default_num_core_tokens (`int`, *optional*):
             Budget used when `forward` is called without `num_core_tokens` (pipelines, `Trainer`). `None` means
             the whole bank (`core_bank_size`).
+        group_image_budgets (`bool`, *optional*, defaults to `True`):
+            How a batch whose images have different budgets (`num_core_tokens` a list) runs: `True`, one forward per
+            budget on the images of that budget, so each image costs only its own cores; `False`, one forward at the
+            largest budget with the cores an image does not use masked out of its attention (one graph, as
+            `torch.compile` and ONNX export need; traced and compiled calls always run this way). Outputs are the
+            same either way.
         rope_theta (`float`, *optional*, defaults to 100.0):
             Base of the RoPE periods, as in DINOv3.
         rope_zero_frequency_ratio (`float`, *optional*, defaults to 0.125):
@@ -163,6 +169,7 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     core_bank_size: int = 64
     core_chunk_size: int = 8
     default_num_core_tokens: int | None = None
+    group_image_budgets: bool = True
     rope_theta: float = 100.0
     rope_zero_frequency_ratio: float = 0.125
     pos_embed_shift: float | None = 0.08

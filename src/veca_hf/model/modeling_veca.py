@@ -12,7 +12,9 @@ to the cores only, so attention costs `2NC + C^2` query-key pairs instead of `(N
 
 Since patches never attend to each other, images of different sizes share a batch exactly: padded to one grid, with
 the padded patches masked out of the cores' call and each image's patches at its own grid's RoPE positions
-(`pixel_mask`; docs/usage.md, "Images of different sizes in one batch").
+(`pixel_mask`; docs/usage.md, "Images of different sizes in one batch"). For the same reason every image can have a
+budget of its own (`num_core_tokens` a list): the cores an image does not use are hidden from all its tokens, or the
+batch runs as one sub-batch per budget (`config.group_image_budgets`).
 
 Shape legend: B batch, C active cores (the budget), M core bank, N patches (Hp * Wp), T = C + N tokens,
 H heads, Hd head size, D hidden size, I SwiGLU hidden size.
@@ -88,11 +90,16 @@ class VecaModelOutput(BaseModelOutputWithPooling):
             row-major order of the padded grid (the order of `last_hidden_state[:, num_core_tokens:]`). Image `i`'s
             own `hp x wp` patch grid is `last_hidden_state[i, num_core_tokens:][patch_mask[i]].reshape(hp, wp, -1)`.
             The outputs at padded patches are finite but meaningless.
+        core_mask (`torch.BoolTensor` of shape `(batch_size, num_core_tokens)`, *optional*):
+            Only when `num_core_tokens` gave a budget per image: `True` for the cores image `i` used (its first
+            `budget_i`), `False` for the rest of the largest budget. `last_hidden_state` and `core_positions` are
+            zero at unused cores; what `hidden_states` and `attentions` hold there has no meaning.
     """
 
     core_positions: torch.FloatTensor | None = None
     all_core_positions: tuple[torch.FloatTensor, ...] | None = None
     patch_mask: torch.BoolTensor | None = None
+    core_mask: torch.BoolTensor | None = None
 
 
 class VecaPatchEmbeddings(nn.Conv2d):
@@ -215,11 +222,13 @@ class VecaCorePeripheryAttention(nn.Module):
         core_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         patch_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
+        core_key_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`attention_mask`, additive `(B, 1, 1, T)`, applies to the cores' call only (it masks padded patches as
-        keys); the patches' call has the cores as keys, which are never masked, so no row is ever fully masked.
-        With `output_attentions=True` (from the model's kwargs) the second output is the `(B, H, T, T)` map."""
+        """Both masks are additive and hide keys: `attention_mask` `(B, 1, 1, T)` in the cores' call (padded patches,
+        cores beyond an image's budget), `core_key_mask` `(B, 1, 1, C)` in the patches' call (cores beyond an image's
+        budget). Core 1 is never hidden, so no row is ever fully masked. With `output_attentions=True` (from the
+        model's kwargs) the second output is the `(B, H, T, T)` map."""
         batch_size, num_tokens, _ = hidden_states.shape  # (B, T, D)
         num_cores = core_position_embeddings[0].shape[-2]
 
@@ -237,7 +246,9 @@ class VecaCorePeripheryAttention(nn.Module):
 
         # the same rule as `capture_outputs`, which records what this returns
         if kwargs.get("output_attentions", self.config.output_attentions):
-            attn_output, attn_weights = self._attention_map_forward(query, key, value, num_cores, attention_mask)
+            attn_output, attn_weights = self._attention_map_forward(
+                query, key, value, num_cores, attention_mask, core_key_mask
+            )
         else:
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
                 self.config._attn_implementation, eager_attention_forward
@@ -249,8 +260,16 @@ class VecaCorePeripheryAttention(nn.Module):
                 self, query[:, :, :num_cores], key, value, attention_mask, scaling=self.scaling, is_causal=False
             )  # (B, C, H, Hd)
             core_keys, core_values = key[:, :, :num_cores], value[:, :, :num_cores]  # (B, H, C, Hd)
+            if core_key_mask is not None:
+                core_key_mask = core_key_mask.expand(-1, -1, num_tokens - num_cores, -1)  # (B, 1, N, C)
             patch_output, _ = attention_interface(
-                self, query[:, :, num_cores:], core_keys, core_values, None, scaling=self.scaling, is_causal=False
+                self,
+                query[:, :, num_cores:],
+                core_keys,
+                core_values,
+                core_key_mask,
+                scaling=self.scaling,
+                is_causal=False,
             )  # (B, N, H, Hd)
             attn_output, attn_weights = torch.cat((core_output, patch_output), dim=1), None  # (B, T, H, Hd)
 
@@ -264,6 +283,7 @@ class VecaCorePeripheryAttention(nn.Module):
         value: torch.Tensor,
         num_cores: int,
         attention_mask: torch.Tensor | None,
+        core_key_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both calls' softmaxes assembled into the full block-sparse `(B, H, T, T)` map, and the output computed
         from it: `(B, H, T, Hd)` each -> `(B, T, H, Hd)`, `(B, H, T, T)`. The patch-to-patch block is exactly zero."""
@@ -271,8 +291,10 @@ class VecaCorePeripheryAttention(nn.Module):
         query_cores, query_patches = query[:, :, :num_cores], query[:, :, num_cores:]  # (B, H, C, Hd), (B, H, N, Hd)
         core_scores = torch.matmul(query_cores, key.transpose(2, 3)) * self.scaling  # (B, H, C, T)
         if attention_mask is not None:
-            core_scores = core_scores + attention_mask  # padded patches: exactly zero probability
+            core_scores = core_scores + attention_mask  # hidden keys: exactly zero probability
         patch_scores = torch.matmul(query_patches, key[:, :, :num_cores].transpose(2, 3)) * self.scaling  # (B,H,N,C)
+        if core_key_mask is not None:
+            patch_scores = patch_scores + core_key_mask
         core_probs = core_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
         patch_probs = patch_scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
         patch_probs = nn.functional.pad(patch_probs, (0, num_tokens - num_cores))  # (B, H, N, T), 0 patch -> patch
@@ -312,11 +334,17 @@ class VecaLayer(GradientCheckpointingLayer):
         patch_cos: torch.Tensor,
         patch_sin: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        core_key_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         # cos/sin travel as separate tensors: re-entrant checkpointing loses gradients through tuples.
         attn_output, _ = self.attention(
-            self.norm1(hidden_states), (core_cos, core_sin), (patch_cos, patch_sin), attention_mask, **kwargs
+            self.norm1(hidden_states),
+            (core_cos, core_sin),
+            (patch_cos, patch_sin),
+            attention_mask,
+            core_key_mask,
+            **kwargs,
         )
         hidden_states = hidden_states + attn_output  # (B, T, D)
         return hidden_states + self.mlp(self.norm2(hidden_states))
@@ -406,9 +434,12 @@ class VecaPreTrainedModel(PreTrainedModel):
 VECA_INPUTS_DOCSTRING = r"""
     pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
         Normalised images (from [`VecaImageProcessor`]); height and width any multiples of `config.patch_size`.
-    num_core_tokens (`int`, *optional*):
+    num_core_tokens (`int`, or a list or 1-D tensor of `batch_size` ints, *optional*):
         The budget `C`: how many cores of the bank are active (a prefix). A multiple of `config.core_chunk_size` up
-        to `config.core_bank_size`. Defaults to `config.default_num_core_tokens`, else the whole bank.
+        to `config.core_bank_size`. Defaults to `config.default_num_core_tokens`, else the whole bank. One budget per
+        image runs every image at its own budget in one call: its outputs equal those of a forward of that image
+        alone at that budget (eval mode; up to float rounding), the cores are laid out for the largest budget and
+        the output's `core_mask` says which an image used.
     pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
         For a batch of images of different sizes padded to one size (the image processor's `do_pad=True`): 1 for real
         pixels, 0 for padding, padded on patch boundaries. Padded patches are hidden from the cores and each image's
@@ -462,10 +493,12 @@ class VecaEncoder(VecaPreTrainedModel):
         patch_position_embeddings: tuple[torch.Tensor, torch.Tensor],
         rope_embeddings: VecaRopePositionEmbedding,
         attention_mask: torch.Tensor | None = None,
+        core_key_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> VecaEncoderOutput:
         """`(B, T, D)` embeddings and the bank's raw core coordinates `(1, C, 2)` in; the last block's output and core
-        positions out. `attention_mask` (additive, `(B, 1, 1, T)`) hides padded patches from every block's cores."""
+        positions out. The additive masks hide keys in every block: `attention_mask` `(B, 1, 1, T)` from the cores
+        (padded patches, unused cores), `core_key_mask` `(B, 1, 1, C)` from the patches (unused cores)."""
         batch_size, num_cores = hidden_states.shape[0], core_coordinates.shape[1]
         for index, layer in enumerate(self.layer):
             if index > 0:
@@ -475,7 +508,7 @@ class VecaEncoder(VecaPreTrainedModel):
             core_positions = self.core_positions(core_coordinates, batch_size)  # (B, C, 2)
             core_cos, core_sin = rope_embeddings(core_positions)  # (B, C, Hd) each
             hidden_states = layer(
-                hidden_states, core_cos, core_sin, *patch_position_embeddings, attention_mask, **kwargs
+                hidden_states, core_cos, core_sin, *patch_position_embeddings, attention_mask, core_key_mask, **kwargs
             )  # (B, T, D)
         return VecaEncoderOutput(last_hidden_state=hidden_states, core_positions=core_positions)
 
@@ -496,6 +529,8 @@ class VecaModel(VecaPreTrainedModel):
 
     def resolve_num_core_tokens(self, num_core_tokens: int | None) -> int:
         """The budget for this call: the argument, else `config.default_num_core_tokens`, else the whole bank."""
+        if isinstance(num_core_tokens, (list, tuple)) and len(num_core_tokens) == 1:
+            num_core_tokens = num_core_tokens[0]
         if num_core_tokens is None:
             num_core_tokens = self.config.default_num_core_tokens or self.config.core_bank_size
         # only an integer tensor becomes an int: `int()` would truncate 8.5 (or turn True into 1) silently.
@@ -504,6 +539,39 @@ class VecaModel(VecaPreTrainedModel):
             if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
                 num_core_tokens = int(num_core_tokens)
         return self.config.check_budget(num_core_tokens)
+
+    def resolve_image_budgets(self, num_core_tokens, batch_size: int) -> list[int] | None:
+        """Every image's budget when `num_core_tokens` holds one per image (a list, tuple, array or 1-D tensor of
+        `batch_size` budgets), else `None`: one budget serves the batch ([`resolve_num_core_tokens`])."""
+        if isinstance(num_core_tokens, torch.Tensor) and num_core_tokens.ndim == 1 and num_core_tokens.numel() > 1:
+            if num_core_tokens.dtype.is_floating_point or num_core_tokens.dtype.is_complex:
+                raise ValueError(f"num_core_tokens={num_core_tokens!r} must hold integers, one budget per image.")
+            budgets = num_core_tokens.tolist()
+        elif isinstance(num_core_tokens, (list, tuple)) and len(num_core_tokens) > 1:
+            budgets = list(num_core_tokens)
+        elif type(num_core_tokens).__module__ == "numpy" and getattr(num_core_tokens, "ndim", 0) == 1:
+            budgets = num_core_tokens.tolist() if len(num_core_tokens) > 1 else None
+        else:
+            return None
+        if budgets is None:
+            return None
+        if len(budgets) != batch_size:
+            raise ValueError(
+                f"num_core_tokens holds {len(budgets)} budgets for a batch of {batch_size} images: pass one budget "
+                "per image, or a single int for the whole batch."
+            )
+        return [
+            self.config.check_budget(budget, name=f"num_core_tokens[{index}]") for index, budget in enumerate(budgets)
+        ]
+
+    def groups_image_budgets(self) -> bool:
+        """Whether a batch of different budgets runs as one sub-batch per budget (each image pays only for its own
+        cores) rather than as one call at the largest budget with the unused cores masked (one graph)."""
+        if "flash" in self.config._attn_implementation or "flex" in self.config._attn_implementation:
+            return True  # these kernels take no additive mask (see the padding check in `forward`)
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return False  # a graph cannot branch on the budgets' values
+        return self.config.group_image_budgets
 
     @can_return_tuple
     @veca_docstring
@@ -521,19 +589,33 @@ class VecaModel(VecaPreTrainedModel):
         """
         check_model_kwargs(kwargs, type(self).__name__)
         check_pixel_values(pixel_values, self.config.num_channels, self.config.patch_size)
+        image_budgets = self.resolve_image_budgets(num_core_tokens, pixel_values.shape[0])
+        if image_budgets is not None and len(set(image_budgets)) > 1 and self.groups_image_budgets():
+            return self._forward_budget_groups(
+                pixel_values, image_budgets, pixel_mask, output_core_positions, **kwargs
+            )
+        if image_budgets is not None:
+            num_core_tokens = max(image_budgets)
         num_core_tokens = self.resolve_num_core_tokens(num_core_tokens)
 
         pixel_values = pixel_values.to(self.embeddings.patch_embeddings.weight.dtype)
         batch_size, _, height, width = pixel_values.shape
+        device = pixel_values.device
         hidden_states, core_coordinates = self.embeddings(pixel_values, num_core_tokens)  # (B, T, D), (1, C, 2)
 
         patch_size = self.config.patch_size
-        patch_mask, attention_mask = None, None
+        patch_mask, core_mask = None, None
         if pixel_mask is not None:
-            patch_mask = get_patch_mask(pixel_mask.to(pixel_values.device), pixel_values.shape, patch_size)
-        # a batch without padding (e.g. images of one size) takes the unmasked path below, exactly as without
-        # `pixel_mask`; only real padding costs a mask and per-image positions.
-        if patch_mask is not None and not bool(patch_mask.all()):
+            patch_mask = get_patch_mask(pixel_mask.to(device), pixel_values.shape, patch_size)
+        if image_budgets is not None:
+            budgets = torch.tensor(image_budgets, device=device)
+            core_mask = torch.arange(num_core_tokens, device=device) < budgets[:, None]  # (B, C)
+        # a batch without padding (e.g. images of one size) and of one budget takes the unmasked path below, exactly
+        # as without `pixel_mask`; only real padding or mixed budgets cost masks.
+        padded = patch_mask is not None and not bool(patch_mask.all())
+        mixed_budgets = core_mask is not None and not bool(core_mask.all())
+        attention_mask, core_key_mask = None, None
+        if padded or mixed_budgets:
             # NOTE: flash kernels take no additive mask, and torch's compiled flex kernel aborts on CPU with one
             if "flash" in self.config._attn_implementation or "flex" in self.config._attn_implementation:
                 raise ValueError(
@@ -541,13 +623,21 @@ class VecaModel(VecaPreTrainedModel):
                     f"{self.config._attn_implementation!r}: use 'sdpa' or 'eager' "
                     "(model.set_attn_implementation('sdpa')), or batch images of one size."
                 )
+            num_patches = hidden_states.shape[1] - num_core_tokens
+            hidden_cores = ~core_mask if mixed_budgets else torch.zeros(batch_size, num_core_tokens, dtype=torch.bool)
+            hidden_patches = (
+                ~patch_mask.flatten(1) if padded else torch.zeros(batch_size, num_patches, dtype=torch.bool)
+            )
+            hidden = torch.cat((hidden_cores.to(device), hidden_patches.to(device)), dim=1)  # (B, T): keys no one sees
+            attention_mask = torch.zeros(hidden.shape, dtype=pixel_values.dtype, device=device)
+            attention_mask = attention_mask.masked_fill(hidden, torch.finfo(pixel_values.dtype).min)[:, None, None]
+            if mixed_budgets:
+                core_key_mask = attention_mask[..., :num_core_tokens]  # (B, 1, 1, C): the patches' keys are the cores
+        if padded:
             patch_coordinates = get_padded_patch_coordinates(patch_mask, dtype=torch.float32)  # (B, N, 2)
-            padded = ~torch.cat((patch_mask.new_ones(batch_size, num_core_tokens), patch_mask.flatten(1)), dim=1)
-            attention_mask = torch.zeros(padded.shape, dtype=pixel_values.dtype, device=pixel_values.device)
-            attention_mask = attention_mask.masked_fill(padded, torch.finfo(pixel_values.dtype).min)[:, None, None]
         else:
             patch_coordinates = get_patch_coordinates(
-                height // patch_size, width // patch_size, dtype=torch.float32, device=pixel_values.device
+                height // patch_size, width // patch_size, dtype=torch.float32, device=device
             )  # (N, 2)
         if self.training:
             patch_coordinates = augment_patch_coordinates(
@@ -563,20 +653,90 @@ class VecaModel(VecaPreTrainedModel):
             core_coordinates,
             patch_position_embeddings,
             self.rope_embeddings,
-            attention_mask,  # (B, 1, 1, T): 0, or the dtype's minimum at padded patches
+            attention_mask,  # (B, 1, 1, T): 0, or the dtype's minimum at padded patches and unused cores
+            core_key_mask,  # (B, 1, 1, C): 0, or the dtype's minimum at unused cores
             output_all_core_positions=output_core_positions,
             return_dict=True,
             **kwargs,
         )
         sequence_output = self.norm(encoder_outputs.last_hidden_state)  # (B, T, D)
+        core_positions = encoder_outputs.core_positions  # (B, C, 2)
+        if mixed_budgets:  # unused cores read zero, as where the batch runs by budget groups
+            unused = ~core_mask[..., None]  # (B, C, 1)
+            cores = sequence_output[:, :num_core_tokens].masked_fill(unused, 0)
+            sequence_output = torch.cat((cores, sequence_output[:, num_core_tokens:]), dim=1)
+            core_positions = core_positions.masked_fill(unused, 0)
         return VecaModelOutput(
             last_hidden_state=sequence_output,
             pooler_output=sequence_output[:, 0],
             hidden_states=encoder_outputs.hidden_states,
             attentions=encoder_outputs.attentions,
-            core_positions=encoder_outputs.core_positions,
+            core_positions=core_positions,
             all_core_positions=encoder_outputs.all_core_positions,
             patch_mask=patch_mask.flatten(1) if patch_mask is not None else None,  # (B, N)
+            core_mask=core_mask,  # (B, C)
+        )
+
+    def _forward_budget_groups(
+        self,
+        pixel_values: torch.Tensor,
+        image_budgets: list[int],
+        pixel_mask: torch.Tensor | None,
+        output_core_positions: bool,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> VecaModelOutput:
+        """One forward per budget on the images of that budget, laid out as the masked forward's outputs: the cores of
+        every image padded with zeros to the largest budget, the images in their order."""
+        largest = max(image_budgets)
+
+        def with_cores_padded(tensor: torch.Tensor, budget: int, dims: tuple[int, ...]) -> torch.Tensor:
+            for dim in dims:  # zeros after the first `budget` entries along `dim`, up to `largest`
+                zeros = list(tensor.shape)
+                zeros[dim] = largest - budget
+                rest = tensor.narrow(dim, budget, tensor.shape[dim] - budget)
+                tensor = torch.cat((tensor.narrow(dim, 0, budget), tensor.new_zeros(zeros), rest), dim=dim)
+            return tensor
+
+        budgets = torch.tensor(image_budgets)
+        groups, group_outputs = [], []
+        for budget in sorted(set(image_budgets)):
+            indices = (budgets == budget).nonzero().flatten()  # the images at this budget
+            group_pixel_mask = pixel_mask[indices.to(pixel_mask.device)] if pixel_mask is not None else None
+            outputs = self.forward(
+                pixel_values[indices.to(pixel_values.device)],
+                budget,
+                group_pixel_mask,
+                output_core_positions,
+                return_dict=True,
+                **kwargs,
+            )
+            groups.append(indices)
+            group_outputs.append((budget, outputs))
+        order = torch.cat(groups).argsort()  # row of each image in the groups' concatenation
+
+        def assembled(field: str, dims: tuple[int, ...] = ()) -> torch.Tensor | tuple | None:
+            values = [(budget, getattr(outputs, field)) for budget, outputs in group_outputs]
+            if values[0][1] is None:
+                return None
+            if isinstance(values[0][1], tuple):  # one tensor per block
+                return tuple(
+                    torch.cat(
+                        [with_cores_padded(value[block], budget, dims) for budget, value in values]
+                    ).index_select(0, order.to(values[0][1][block].device))
+                    for block in range(len(values[0][1]))
+                )
+            joined = torch.cat([with_cores_padded(value, budget, dims) for budget, value in values])
+            return joined.index_select(0, order.to(joined.device))
+
+        return VecaModelOutput(
+            last_hidden_state=assembled("last_hidden_state", dims=(1,)),
+            pooler_output=assembled("pooler_output"),
+            hidden_states=assembled("hidden_states", dims=(1,)),
+            attentions=assembled("attentions", dims=(2, 3)),
+            core_positions=assembled("core_positions", dims=(1,)),
+            all_core_positions=assembled("all_core_positions", dims=(1,)),
+            patch_mask=assembled("patch_mask"),
+            core_mask=(torch.arange(largest) < budgets[:, None]).to(pixel_values.device),  # (B, C)
         )
 
 
