@@ -115,7 +115,11 @@ FLOAT_FIELDS = [field.name for field in dataclasses.fields(VecaConfig) if float 
         ("hidden_size", True, "hidden_size=True has type bool, but hidden_size takes int"),
         ("rope_theta", "100", "rope_theta='100' has type str, but rope_theta takes float: pass e.g. rope_theta=100.0"),
         ("pos_embed_shift", "0.1", r"pos_embed_shift='0.1' has type str, but pos_embed_shift takes float \| None"),
-        ("default_num_core_tokens", 8.0, r"default_num_core_tokens=8.0 has type float, but .* takes int \| None"),
+        (
+            "default_num_core_tokens",
+            8.0,
+            r"default_num_core_tokens=8.0 has type float, but .* takes int \| str \| None",
+        ),
         ("apply_layernorm", "yes", "apply_layernorm='yes' has type str, but apply_layernorm takes bool"),
     ],
 )

@@ -19,6 +19,7 @@ from transformers import (
 )
 from transformers.utils import is_torchvision_available
 
+from .budget_policy import AdaptiveBudget
 from .model.configuration_veca import VECA_PRESET_TEACHERS, VECA_PRESETS, VecaConfig
 from .model.image_processing_pil_veca import VecaImageProcessorPil
 from .model.image_processing_veca import VecaImageProcessor
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 
 
 __all__ = [
+    "AdaptiveBudget",
     "VECA_PRESETS",
     "VECA_PRESET_TEACHERS",
     "VecaBackbone",

@@ -100,7 +100,12 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
             Cores are stored, and budgets chosen, in chunks of this many. The smallest budget is one chunk.
         default_num_core_tokens (`int`, *optional*):
             Budget used when `forward` is called without `num_core_tokens` (pipelines, `Trainer`). `None` means
-            the whole bank (`core_bank_size`).
+            the whole bank (`core_bank_size`); `"auto"`, a budget per image picked by `adaptive_budget`.
+        adaptive_budget (`dict`, *optional*):
+            A fitted budget policy (written by `veca_hf.AdaptiveBudget`): with `num_core_tokens="auto"` (or
+            `default_num_core_tokens="auto"`), every image runs first at the policy's smallest budget and then, if
+            the policy predicts more cores would change its global feature by more than its threshold, at a larger
+            one (docs/budget_policy.md).
         group_image_budgets (`bool`, *optional*, defaults to `True`):
             How a batch whose images have different budgets (`num_core_tokens` a list) runs: `True`, one forward per
             budget on the images of that budget, so each image costs only its own cores; `False`, one forward at the
@@ -168,8 +173,9 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
     num_channels: int = 3
     core_bank_size: int = 64
     core_chunk_size: int = 8
-    default_num_core_tokens: int | None = None
+    default_num_core_tokens: int | str | None = None
     group_image_budgets: bool = True
+    adaptive_budget: dict | None = None
     rope_theta: float = 100.0
     rope_zero_frequency_ratio: float = 0.125
     pos_embed_shift: float | None = 0.08
@@ -253,10 +259,37 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
             value = getattr(self, name)
             if value is not None and not value >= low:
                 raise ValueError(f"{name}={value!r} must be None (off) or >= {low}.")
-        if self.default_num_core_tokens is not None:
+        if self.default_num_core_tokens == "auto":
+            if self.adaptive_budget is None:
+                raise ValueError(
+                    "default_num_core_tokens='auto' needs a budget policy in adaptive_budget: fit one with "
+                    "veca_hf.AdaptiveBudget.fit(model, pixel_values, target_mean_cost=...)."
+                )
+        elif self.default_num_core_tokens is not None:
             self.check_budget(self.default_num_core_tokens, name="default_num_core_tokens")
+        if self.adaptive_budget is not None:
+            self._check_adaptive_budget(self.adaptive_budget)
         if not 0.0 <= self.rope_zero_frequency_ratio <= 1.0:
             raise ValueError(f"rope_zero_frequency_ratio ({self.rope_zero_frequency_ratio}) must be in [0, 1].")
+
+    def _check_adaptive_budget(self, policy: dict) -> None:
+        """A `ValueError` unless `policy` is a budget policy this model can run (what `AdaptiveBudget` writes)."""
+        missing = {"budgets", "threshold", "feature_mean", "weight", "bias"} - set(policy)
+        if missing:
+            raise ValueError(f"adaptive_budget lacks {sorted(missing)}: write it with veca_hf.AdaptiveBudget.")
+        ladder = [self.check_budget(budget, name="adaptive_budget['budgets'][...]") for budget in policy["budgets"]]
+        if len(ladder) < 2 or ladder != sorted(set(ladder)):
+            raise ValueError(f"adaptive_budget['budgets']={ladder!r} must be two or more increasing budgets.")
+        width = 2 * self.hidden_size  # `budget_policy_features`: the global feature and the mean patch token
+        shapes = {"feature_mean": len(policy["feature_mean"]), "bias": len(policy["bias"]),
+                  "weight": (len(policy["weight"]), {len(row) for row in policy["weight"]})}  # fmt: skip
+        if shapes != {"feature_mean": width, "bias": len(ladder) - 1, "weight": (len(ladder) - 1, {width})}:
+            raise ValueError(
+                f"adaptive_budget's sizes {shapes} do not fit this model: it needs feature_mean of {width}, bias of "
+                f"{len(ladder) - 1} and weight of {len(ladder) - 1} rows of {width} (fit it on this model)."
+            )
+        if not math.isfinite(policy["threshold"]):
+            raise ValueError(f"adaptive_budget['threshold']={policy['threshold']!r} must be a finite number.")
 
     @property
     def budgets(self) -> list[int]:

@@ -513,6 +513,23 @@ class VecaEncoder(VecaPreTrainedModel):
         return VecaEncoderOutput(last_hidden_state=hidden_states, core_positions=core_positions)
 
 
+AUTO_BUDGET = "auto"  # `num_core_tokens="auto"`: every image's budget picked by `config.adaptive_budget`
+
+
+def budget_policy_features(outputs: "VecaModelOutput") -> torch.Tensor:
+    """What the budget policy reads from a forward's outputs: the global feature and the mean of the image's own
+    patch tokens, each scaled to unit length, side by side: `(B, 2 * D)`."""
+    num_cores = outputs.core_positions.shape[1]
+    patches = outputs.last_hidden_state[:, num_cores:].float()  # (B, N, D)
+    if outputs.patch_mask is None:
+        mean_patch = patches.mean(dim=1)  # (B, D)
+    else:  # padded patches left out
+        weights = outputs.patch_mask[..., None].float()  # (B, N, 1)
+        mean_patch = (patches * weights).sum(dim=1) / weights.sum(dim=1)
+    global_feature = nn.functional.normalize(outputs.pooler_output.float(), dim=-1)  # (B, D)
+    return torch.cat((global_feature, nn.functional.normalize(mean_patch, dim=-1)), dim=-1)
+
+
 class VecaModel(VecaPreTrainedModel):
     """The bare VECA backbone: cores and patches out, after the final LayerNorm."""
 
@@ -564,6 +581,55 @@ class VecaModel(VecaPreTrainedModel):
             self.config.check_budget(budget, name=f"num_core_tokens[{index}]") for index, budget in enumerate(budgets)
         ]
 
+    def picks_budgets(self, num_core_tokens) -> bool:
+        """Whether this call picks every image's budget with the fitted policy: `num_core_tokens="auto"`, or no
+        budget passed and `config.default_num_core_tokens="auto"` (pipelines)."""
+        if num_core_tokens is None:
+            num_core_tokens = self.config.default_num_core_tokens
+        if not isinstance(num_core_tokens, str):
+            return False
+        if num_core_tokens != AUTO_BUDGET:
+            raise ValueError(
+                f"num_core_tokens={num_core_tokens!r} is not a budget: pass an int, one per image, or 'auto'."
+            )
+        if self.config.adaptive_budget is None:
+            raise ValueError(
+                "num_core_tokens='auto' needs a budget policy in config.adaptive_budget: fit one with "
+                "veca_hf.AdaptiveBudget.fit(model, pixel_values, target_mean_cost=...)."
+            )
+        return True
+
+    def pick_image_budgets(self, first_pass: "VecaModelOutput") -> list[int]:
+        """Every image's budget by the fitted policy (`config.adaptive_budget`), from the outputs of the first pass
+        at the policy's smallest budget: the smallest budget whose predicted `1 - cos(global feature, global feature
+        at the largest budget)` is within the policy's threshold, else the largest."""
+        policy = self.config.adaptive_budget
+        features = budget_policy_features(first_pass).double()  # (B, F)
+        weight = torch.tensor(policy["weight"], dtype=torch.float64, device=features.device)  # (K - 1, F)
+        bias = torch.tensor(policy["bias"], dtype=torch.float64, device=features.device)  # (K - 1,)
+        mean = torch.tensor(policy["feature_mean"], dtype=torch.float64, device=features.device)  # (F,)
+        predicted = (features - mean) @ weight.T + bias  # (B, K - 1)
+        enough = torch.cat((predicted <= policy["threshold"], predicted.new_ones(len(predicted), 1).bool()), dim=1)
+        return [policy["budgets"][index] for index in enough.int().argmax(dim=1).tolist()]  # the first True
+
+    def _forward_picked_budgets(
+        self,
+        pixel_values: torch.Tensor,
+        pixel_mask: torch.Tensor | None,
+        output_core_positions: bool,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> "VecaModelOutput":
+        """The policy's cascade: every image at the smallest budget, then the images it sends further at theirs (by
+        budget groups; the first pass's outputs are kept for the images that stay)."""
+        smallest = self.config.adaptive_budget["budgets"][0]
+        first_pass = self.forward(
+            pixel_values, smallest, pixel_mask, output_core_positions, return_dict=True, **kwargs
+        )
+        image_budgets = self.pick_image_budgets(first_pass)
+        return self._forward_budget_groups(
+            pixel_values, image_budgets, pixel_mask, output_core_positions, first_pass=(smallest, first_pass), **kwargs
+        )
+
     def groups_image_budgets(self) -> bool:
         """Whether a batch of different budgets runs as one sub-batch per budget (each image pays only for its own
         cores) rather than as one call at the largest budget with the unused cores masked (one graph)."""
@@ -589,6 +655,8 @@ class VecaModel(VecaPreTrainedModel):
         """
         check_model_kwargs(kwargs, type(self).__name__)
         check_pixel_values(pixel_values, self.config.num_channels, self.config.patch_size)
+        if self.picks_budgets(num_core_tokens):
+            return self._forward_picked_budgets(pixel_values, pixel_mask, output_core_positions, **kwargs)
         image_budgets = self.resolve_image_budgets(num_core_tokens, pixel_values.shape[0])
         if image_budgets is not None and len(set(image_budgets)) > 1 and self.groups_image_budgets():
             return self._forward_budget_groups(
@@ -683,10 +751,12 @@ class VecaModel(VecaPreTrainedModel):
         image_budgets: list[int],
         pixel_mask: torch.Tensor | None,
         output_core_positions: bool,
+        first_pass: tuple[int, "VecaModelOutput"] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> VecaModelOutput:
         """One forward per budget on the images of that budget, laid out as the masked forward's outputs: the cores of
-        every image padded with zeros to the largest budget, the images in their order."""
+        every image padded with zeros to the largest budget, the images in their order. `first_pass`, a budget and
+        the outputs of every image at it, serves that budget's images instead of a new forward."""
         largest = max(image_budgets)
 
         def with_cores_padded(tensor: torch.Tensor, budget: int, dims: tuple[int, ...]) -> torch.Tensor:
@@ -702,14 +772,21 @@ class VecaModel(VecaPreTrainedModel):
         for budget in sorted(set(image_budgets)):
             indices = (budgets == budget).nonzero().flatten()  # the images at this budget
             group_pixel_mask = pixel_mask[indices.to(pixel_mask.device)] if pixel_mask is not None else None
-            outputs = self.forward(
-                pixel_values[indices.to(pixel_values.device)],
-                budget,
-                group_pixel_mask,
-                output_core_positions,
-                return_dict=True,
-                **kwargs,
-            )
+            if first_pass is not None and first_pass[0] == budget:
+                outputs = VecaModelOutput(**{
+                    name: tuple(v[indices.to(v.device)] for v in value) if isinstance(value, tuple)
+                    else value[indices.to(value.device)]
+                    for name, value in first_pass[1].items()
+                })  # fmt: skip
+            else:
+                outputs = self.forward(
+                    pixel_values[indices.to(pixel_values.device)],
+                    budget,
+                    group_pixel_mask,
+                    output_core_positions,
+                    return_dict=True,
+                    **kwargs,
+                )
             groups.append(indices)
             group_outputs.append((budget, outputs))
         order = torch.cat(groups).argsort()  # row of each image in the groups' concatenation
