@@ -12,9 +12,9 @@ from PIL import Image
 from transformers import AutoImageProcessor, pipeline
 
 from veca_hf import AdaptiveBudget, VecaConfig, VecaForImageClassification, VecaImageProcessorPil, VecaModel
-from veca_hf.budget_policy import cascade_costs, picked_indices, policy_training_data, ridge, threshold_for_cost
+from veca_hf.budget_policy import cascade_costs, policy_training_data, ridge, threshold_for_cost
 from veca_hf.flops import veca_model_flops
-from veca_hf.model.modeling_veca import budget_policy_features
+from veca_hf.model.modeling_veca import budget_policy_features, first_budget_within
 
 
 ATOL = 1e-5
@@ -57,7 +57,7 @@ def test_auto_runs_every_image_at_its_picked_budget(fitted, pixel_values):
         features = budget_policy_features(first_pass).double()
         weight, mean = torch.tensor(policy.weight, dtype=torch.float64), torch.tensor(policy.feature_mean)
         predicted = (features - mean.double()) @ weight.T + torch.tensor(policy.bias, dtype=torch.float64)
-        assert picked == [policy.budgets[i] for i in picked_indices(predicted, policy.threshold).tolist()]
+        assert picked == [policy.budgets[i] for i in first_budget_within(predicted, policy.threshold).tolist()]
         assert len(set(picked)) > 1, "the test needs images that the policy sends to different budgets"
         for index, budget in enumerate(picked):
             alone = model(held_out[index : index + 1], num_core_tokens=budget)
@@ -132,7 +132,9 @@ def test_the_threshold_trades_cost_for_fidelity_monotonically():
     for target in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3):
         threshold, mean_cost = threshold_for_cost(predicted, costs, target)
         assert mean_cost <= target + 1e-12
-        assert mean_cost == pytest.approx(float(cascade_costs(picked_indices(predicted, threshold), costs).mean()))
+        assert mean_cost == pytest.approx(
+            float(cascade_costs(first_budget_within(predicted, threshold), costs).mean())
+        )
         thresholds.append(threshold)
         mean_costs.append(mean_cost)
     assert thresholds == sorted(thresholds, reverse=True)  # more cost allowed: a stricter threshold

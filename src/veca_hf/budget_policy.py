@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .flops import veca_model_flops
-from .model.modeling_veca import VecaModel, budget_policy_features
+from .model.modeling_veca import VecaModel, budget_policy_features, budgets_picked_by, first_budget_within
 from .routing import veca_config
 
 
@@ -99,16 +99,30 @@ class AdaptiveBudget:
         height, width = batches[0].shape[-2:]
         if any(batch.shape[-2:] != (height, width) for batch in batches):
             raise ValueError("AdaptiveBudget.fit takes images of one size: resize them, or fit one policy per size.")
-        costs = [veca_model_flops(config, height, width, budget) for budget in ladder]
-        costs = torch.tensor(costs, dtype=torch.float64) / costs[-1]  # (K,): relative to the largest budget
-        if not costs[0] <= target_mean_cost <= 1 + costs[0]:
-            raise ValueError(
-                f"target_mean_cost={target_mean_cost!r} is out of reach: every image pays the first pass "
-                f"({costs[0]:.3f} of the largest budget) and at most one more forward, so use a value in "
-                f"[{costs[0]:.3f}, {1 + costs[0]:.3f}]."
-            )
-
+        costs = relative_costs(config, height, width, ladder)
+        check_target(target_mean_cost, costs)
         features, distances = policy_training_data(veca, batches, ladder, batch_size)  # (n, F), (n, K - 1)
+        policy = cls.from_training_data(features, distances, ladder, costs, target_mean_cost, num_folds, seed)
+        policy.fit_resolution = [int(height), int(width)]
+        config.adaptive_budget = asdict(policy)
+        config._check_adaptive_budget(config.adaptive_budget)
+        return policy
+
+    @classmethod
+    def from_training_data(
+        cls,
+        features: torch.Tensor,
+        distances: torch.Tensor,
+        ladder: list[int],
+        costs: torch.Tensor,
+        target_mean_cost: float,
+        num_folds: int = 5,
+        seed: int = 0,
+    ) -> "AdaptiveBudget":
+        """The policy from [`policy_training_data`]'s features `(n, F)` and distances `(n, K - 1)` and the ladder's
+        [`relative_costs`] `(K,)`: what `fit` does once the forwards are run."""
+        check_target(target_mean_cost, costs)
+        features, distances = features.double().cpu(), distances.double().cpu()
         if len(features) < 2 * num_folds:
             raise ValueError(f"AdaptiveBudget.fit needs at least {2 * num_folds} images, got {len(features)}.")
         folds = torch.randperm(len(features), generator=torch.Generator().manual_seed(seed)) % num_folds
@@ -116,20 +130,36 @@ class AdaptiveBudget:
         threshold, mean_cost = threshold_for_cost(predicted, costs, target_mean_cost)
         mean = features.mean(dim=0)
         weight, bias = ridge(features - mean, distances, penalty)
-        policy = cls(
-            budgets=ladder,
+        return cls(
+            budgets=list(ladder),
             threshold=threshold,
             feature_mean=mean.tolist(),
             weight=weight.T.tolist(),
             bias=bias.tolist(),
             target_mean_cost=float(target_mean_cost),
             mean_cost=mean_cost,
-            fit_resolution=[int(height), int(width)],
             ridge_penalty=penalty,
         )
-        config.adaptive_budget = asdict(policy)
-        config._check_adaptive_budget(config.adaptive_budget)
-        return policy
+
+    def pick(self, features: torch.Tensor) -> list[int]:
+        """The budgets the policy picks from `(n, F)` first-pass features (what `num_core_tokens="auto"` runs)."""
+        return budgets_picked_by(asdict(self), features)
+
+
+def relative_costs(config, height: int, width: int, ladder: list[int]) -> torch.Tensor:
+    """Each budget's forward FLOPs at `height x width` over the largest budget's: `(K,)`."""
+    flops = [veca_model_flops(config, height, width, budget) for budget in ladder]
+    return torch.tensor(flops, dtype=torch.float64) / flops[-1]
+
+
+def check_target(target_mean_cost: float, costs: torch.Tensor) -> None:
+    """A `ValueError` unless a cascade over budgets of `costs` can meet `target_mean_cost` on average."""
+    if not costs[0] <= target_mean_cost <= 1 + costs[0]:
+        raise ValueError(
+            f"target_mean_cost={target_mean_cost!r} is out of reach: every image pays the first pass "
+            f"({costs[0]:.3f} of the largest budget) and at most one more forward, so use a value in "
+            f"[{costs[0]:.3f}, {1 + costs[0]:.3f}]."
+        )
 
 
 def ladder_for(config, budgets: Sequence[int] | None) -> list[int]:
@@ -195,12 +225,6 @@ def cross_fitted_ridge(
     return best[1], best[2]
 
 
-def picked_indices(predicted: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Each image's index into the ladder: the first budget predicted within `threshold`, else the largest."""
-    enough = torch.cat((predicted <= threshold, torch.ones(len(predicted), 1, dtype=torch.bool)), dim=1)
-    return enough.int().argmax(dim=1)
-
-
 def cascade_costs(indices: torch.Tensor, costs: torch.Tensor) -> torch.Tensor:
     """Each image's cost in the cascade: the first pass, plus its budget's forward unless that is the first."""
     return costs[0] + torch.where(indices > 0, costs[indices], torch.zeros_like(costs[indices]))
@@ -214,7 +238,7 @@ def threshold_for_cost(predicted: torch.Tensor, costs: torch.Tensor, target_mean
     """
     lowest = predicted.new_tensor([predicted.min().item() - 1.0])  # every image escalates
     for threshold in torch.cat((lowest, predicted.flatten().unique())).tolist():
-        mean_cost = float(cascade_costs(picked_indices(predicted, threshold), costs).mean())
+        mean_cost = float(cascade_costs(first_budget_within(predicted, threshold), costs).mean())
         if mean_cost <= target_mean_cost + 1e-12:
             return float(threshold), mean_cost
     # above every prediction: every image stops at the first pass (the caller checked that this meets the target)

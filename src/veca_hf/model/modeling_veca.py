@@ -530,6 +530,23 @@ def budget_policy_features(outputs: "VecaModelOutput") -> torch.Tensor:
     return torch.cat((global_feature, nn.functional.normalize(mean_patch, dim=-1)), dim=-1)
 
 
+def first_budget_within(predicted: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Each image's index into the policy's budgets: the first budget whose predicted distance `(n, K - 1)` is
+    within `threshold`, else the last (the largest budget, distance 0 by definition)."""
+    within = torch.cat((predicted <= threshold, predicted.new_ones(len(predicted), 1, dtype=torch.bool)), dim=1)
+    return within.int().argmax(dim=1)  # argmax returns the first maximum
+
+
+def budgets_picked_by(policy: dict, features: torch.Tensor) -> list[int]:
+    """The budgets a policy (`config.adaptive_budget`) picks from `(n, F)` first-pass features: the smallest whose
+    predicted `1 - cos(global feature, global feature at the largest budget)` is within the policy's threshold."""
+    features = features.double().cpu()
+    weight = torch.tensor(policy["weight"], dtype=torch.float64)  # (K - 1, F): a ridge regression
+    mean, bias = torch.tensor(policy["feature_mean"], dtype=torch.float64), torch.tensor(policy["bias"]).double()
+    predicted = (features - mean) @ weight.T + bias  # (n, K - 1)
+    return [policy["budgets"][index] for index in first_budget_within(predicted, policy["threshold"]).tolist()]
+
+
 class VecaModel(VecaPreTrainedModel):
     """The bare VECA backbone: cores and patches out, after the final LayerNorm."""
 
@@ -601,16 +618,8 @@ class VecaModel(VecaPreTrainedModel):
 
     def pick_image_budgets(self, first_pass: "VecaModelOutput") -> list[int]:
         """Every image's budget by the fitted policy (`config.adaptive_budget`), from the outputs of the first pass
-        at the policy's smallest budget: the smallest budget whose predicted `1 - cos(global feature, global feature
-        at the largest budget)` is within the policy's threshold, else the largest."""
-        policy = self.config.adaptive_budget
-        features = budget_policy_features(first_pass).double()  # (B, F)
-        weight = torch.tensor(policy["weight"], dtype=torch.float64, device=features.device)  # (K - 1, F)
-        bias = torch.tensor(policy["bias"], dtype=torch.float64, device=features.device)  # (K - 1,)
-        mean = torch.tensor(policy["feature_mean"], dtype=torch.float64, device=features.device)  # (F,)
-        predicted = (features - mean) @ weight.T + bias  # (B, K - 1)
-        enough = torch.cat((predicted <= policy["threshold"], predicted.new_ones(len(predicted), 1).bool()), dim=1)
-        return [policy["budgets"][index] for index in enough.int().argmax(dim=1).tolist()]  # the first True
+        at the policy's smallest budget ([`budgets_picked_by`])."""
+        return budgets_picked_by(self.config.adaptive_budget, budget_policy_features(first_pass))
 
     def _forward_picked_budgets(
         self,
