@@ -147,12 +147,15 @@ def build_demo(model, teacher, example_photos: list[str]):
             "attention_gflops": out.attention_flops / 1e9,
             "dense_attention_gflops": out.dense_attention_flops / 1e9,
             "clicked_patch": list(out.clicked_patch),
+            "policy_budget": out.policy_budget,
         }
         text = (
             f"**C = {budget}** at {image_size(out)}: forward {out.seconds * 1e3:.0f} ms; attention "
             f"{out.attention_flops / 1e9:.2f} GFLOPs against {out.dense_attention_flops / 1e9:.2f} for a dense ViT "
             f"of the same size ({out.attention_flops / out.dense_attention_flops:.2f}x)."
         )
+        if out.policy_budget is not None:
+            text += f"\n\nThe model's budget policy picks **C = {out.policy_budget}** for this image."
         text += "".join(f"\n\n{note}" for note in [*out.notes, *notes])
         return (out.patches, out.similarity, out.cores, out.core_attention, out.cost, out.teacher_patches,
                 out.teacher_similarity, text, numbers)  # fmt: skip

@@ -231,3 +231,18 @@ def test_dial_gives_every_picture_for_one_budget_and_a_teacher_beside(model):
     ):
         with pytest.raises(ValueError, match=message):
             dial(model, image, **{"budget": 8, "resolution": 64, **kwargs})
+
+
+def test_dial_shows_the_budget_the_fitted_policy_picks():
+    from veca_hf import AdaptiveBudget
+
+    torch.manual_seed(0)
+    model = VecaModel(tiny_config(core_bank_size=32)).eval()
+    image = np.random.default_rng(2).integers(0, 256, (70, 100, 3), dtype=np.uint8)
+    assert dial(model, image, 8, 64).policy_budget is None  # no policy fitted
+    AdaptiveBudget.fit(model, torch.randn(30, 3, 64, 96, generator=torch.Generator().manual_seed(0)), 0.9)
+    out = dial(model, image, 8, 64)
+    pixel_values = DialImage.prepare(PIL.Image.fromarray(image), 64, 16).pixel_values
+    with torch.no_grad():
+        expected = int(model(pixel_values, num_core_tokens="auto").core_mask.sum())
+    assert out.policy_budget == expected and expected in (8, 16, 32)

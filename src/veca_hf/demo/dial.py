@@ -240,7 +240,8 @@ def cost_plot(rows: list[dict], resolution: int) -> PIL.Image.Image:
 @dataclass
 class DialOutputs:
     """What one image looks like at one budget: the pictures (RGB, the size of the drawn image, except `cost`) and
-    the numbers the demo prints. The `teacher_*` pictures are `None` without a teacher."""
+    the numbers the demo prints. The `teacher_*` pictures are `None` without a teacher; `policy_budget` is the
+    budget the model's fitted policy (`config.adaptive_budget`) picks for the image, `None` without one."""
 
     patches: PIL.Image.Image
     similarity: PIL.Image.Image
@@ -253,6 +254,7 @@ class DialOutputs:
     clicked_patch: tuple[int, int]
     teacher_patches: PIL.Image.Image | None = None
     teacher_similarity: PIL.Image.Image | None = None
+    policy_budget: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -315,6 +317,10 @@ def dial(
         clicked_patch=(row, col),
         notes=notes,
     )
+    if config.adaptive_budget is not None:  # the budget `num_core_tokens="auto"` gives this image
+        with torch.inference_mode():
+            picked = model(dial_image.pixel_values, num_core_tokens="auto").core_mask
+        outputs.policy_budget = int(picked.sum())
     if teacher is not None:
         teacher_patch = teacher.config.patch_size
         side = max(teacher_patch, round(resolution / teacher_patch) * teacher_patch)
