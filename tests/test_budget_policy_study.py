@@ -42,7 +42,7 @@ def test_the_study_scores_fixed_budgets_policy_and_oracle(tmp_path):
     result = study.main([
         "--student", str(tmp_path / "student"), "--teacher", str(tmp_path / "teacher"),
         "--fashion_mnist_dir", str(tmp_path / "fmnist"), "--photos_dir", str(tmp_path / "photos"),
-        "--resolutions", "32,48", "--targets", "0.8,1.1", "--num_fit", "30", "--num_fit_crops", "10",
+        "--resolutions", "32,48", "--target_fractions", "0.3,0.8", "--num_fit", "30", "--num_fit_crops", "10",
         "--num_reference", "40", "--num_queries", "30", "--num_photo_crops", "8", "--timing_images", "16",
         "--timing_rounds", "1", "--batch_size", "16", "--probe_steps", "50", "--results_dir", str(tmp_path / "out"),
     ])
@@ -50,11 +50,15 @@ def test_the_study_scores_fixed_budgets_policy_and_oracle(tmp_path):
     assert [block["resolution"] for block in result["resolutions"]] == [32, 48]
     for block in result["resolutions"]:
         methods = [row["method"] for row in block["rows"]]
-        assert methods == ["C = 8", "C = 16", "C = 32", "policy @ 0.8", "oracle @ 0.8", "policy @ 1.1", "oracle @ 1.1"]
+        first_pass = block["relative_costs"]["8"]
+        targets = [round(first_pass + fraction * (1 - first_pass), 3) for fraction in (0.3, 0.8)]
+        assert methods == ["C = 8", "C = 16", "C = 32"] + [
+            f"{kind} @ {t}" for t in targets for kind in ("policy", "oracle")
+        ]
         rows = {row["method"]: row for row in block["rows"]}
         assert rows["C = 32"]["mean_cost"] == 1.0 and rows["C = 32"]["fidelity"]["queries"] == pytest.approx(1.0)
         assert rows["C = 8"]["mean_cost"] < rows["C = 16"]["mean_cost"] < 1.0
-        for target in (0.8, 1.1):
+        for target in targets:
             policy = rows[f"policy @ {target}"]
             assert policy["fitted_mean_cost"] <= target
             assert rows["C = 8"]["mean_cost"] <= policy["mean_cost"] <= 1 + rows["C = 8"]["mean_cost"]
@@ -66,5 +70,5 @@ def test_the_study_scores_fixed_budgets_policy_and_oracle(tmp_path):
         assert block["teacher"] is not None
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["ladder"] == [8, 16, 32]
-    assert "| policy @ 0.8 |" in (tmp_path / "out" / "results.md").read_text()
+    assert f"| policy @ {targets[0]} |" in (tmp_path / "out" / "results.md").read_text()
     assert (tmp_path / "out" / "accuracy_vs_cost.png").stat().st_size > 0

@@ -3,7 +3,8 @@
 """Does picking the budget per image (`num_core_tokens="auto"`, `veca_hf.AdaptiveBudget`) beat fixed budgets?
 
 For a distilled VECA, at every resolution of `--resolutions`, each fixed budget of the ladder and the policy fitted
-for each of `--targets` (mean FLOPs per image over the largest budget's, the first pass included) are compared on:
+for each target mean cost (FLOPs per image over the largest budget's, the first pass included; `--target_fractions`
+of the way from the smallest budget's cost to 1) are compared on:
 
 - accuracy: 20-NN (DINO's weighted vote) and a linear probe on the global feature, Fashion-MNIST test images, the
   reference images embedded the same way as the queries; paired-bootstrap intervals of policy minus fixed budget;
@@ -55,7 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--photos_dir", required=True, help="A folder of real photos (JPEG / PNG).")
     parser.add_argument("--resolutions", default="112,224,448")
     parser.add_argument("--budgets", default=None, help="The ladder (default: 8,16,32,64 as the bank allows).")
-    parser.add_argument("--targets", default="0.5,0.7,0.9", help="Target mean costs of the policy.")
+    parser.add_argument(
+        "--target_fractions",
+        default="0.25,0.5,0.75",
+        help="The policy's target mean costs, as fractions of the way from the smallest budget's cost (every image "
+        "stops after the first pass) to the largest budget's (1).",
+    )
     parser.add_argument("--num_fit", type=int, default=300, help="Fashion-MNIST training images to fit on.")
     parser.add_argument("--num_fit_crops", type=int, default=100, help="Photo crops to fit on.")
     parser.add_argument("--num_reference", type=int, default=1000, help="Labelled reference images (k-NN, probe).")
@@ -149,11 +155,12 @@ def wall_times(model: VecaModel, pixel_values: torch.Tensor, methods: dict, args
     return {name: statistics.median(times) for name, times in rounds.items()}
 
 
-def study_resolution(model, teacher, sets, resolution: int, ladder: list[int], targets: list[float], args) -> dict:
+def study_resolution(model, teacher, sets, resolution: int, ladder: list[int], fractions: list[float], args) -> dict:
     pixels = {role: torch.stack([preprocess_image(image, resolution) for image in images])
               for role, (images, _) in sets.items()}  # fmt: skip
     embedded = {role: embed(model, values, ladder, args.batch_size) for role, values in pixels.items()}
     costs = relative_costs(model.config, resolution, resolution, ladder)
+    targets = [round(float(costs[0] + fraction * (1 - costs[0])), 3) for fraction in fractions]
     fit = embedded["fit"]
     fit_distances = distances_to_largest(fit["global"], ladder)
     labels = {role: labels for role, (_, labels) in sets.items()}
@@ -310,8 +317,8 @@ def main(argv=None) -> dict:
     }
     for resolution in [int(r) for r in args.resolutions.split(",")]:
         started = time.perf_counter()
-        targets = [float(t) for t in args.targets.split(",")]
-        result["resolutions"].append(study_resolution(model, teacher, sets, resolution, ladder, targets, args))
+        fractions = [float(f) for f in args.target_fractions.split(",")]
+        result["resolutions"].append(study_resolution(model, teacher, sets, resolution, ladder, fractions, args))
         print(f"{resolution} px done in {time.perf_counter() - started:.0f} s", flush=True)
         (results_dir / "results.json").write_text(json.dumps(result, indent=2))  # each resolution kept as it ends
     (results_dir / "results.md").write_text(markdown(result))
