@@ -68,6 +68,8 @@ def test_the_study_scores_fixed_budgets_policy_and_oracle(tmp_path):
         for row in block["rows"]:
             assert 0 <= row["knn_accuracy"] <= 1 and 0 <= row["linear_accuracy"] <= 1
         assert block["teacher"] is not None
+        mixed = block["mixed_batch"]
+        assert mixed["budgets"] == [8, 16, 32] and all(t > 0 for t in mixed["seconds_per_image"].values())
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["ladder"] == [8, 16, 32]
     assert f"| policy @ {targets[0]} |" in (tmp_path / "out" / "results.md").read_text()

@@ -139,19 +139,22 @@ def accuracy(reference: torch.Tensor, reference_labels, queries: torch.Tensor, q
 
 
 @torch.inference_mode()
+@torch.inference_mode()
 def wall_times(model: VecaModel, pixel_values: torch.Tensor, methods: dict, args) -> dict[str, float]:
     """Median seconds per image over interleaved rounds of `model(batch, num_core_tokens=...)` for each method
-    (`{name: (num_core_tokens, policy dict or None)}`)."""
+    (`{name: (num_core_tokens, policy dict or None, group_image_budgets)}`; a list of budgets is cycled over the
+    images of each batch)."""
     rounds = {name: [] for name in methods}
     for round_index in range(args.timing_rounds + 1):  # the first round warms up
-        for name, (budget, policy) in methods.items():
-            model.config.adaptive_budget = policy
+        for name, (budget, policy, group) in methods.items():
+            model.config.adaptive_budget, model.config.group_image_budgets = policy, group
             start = time.perf_counter()
             for chunk in pixel_values.split(args.batch_size):
-                model(chunk, num_core_tokens=budget)
+                per_image = [budget[i % len(budget)] for i in range(len(chunk))] if isinstance(budget, list) else None
+                model(chunk, num_core_tokens=per_image or budget)
             if round_index:
                 rounds[name].append((time.perf_counter() - start) / len(pixel_values))
-    model.config.adaptive_budget = None
+    model.config.adaptive_budget, model.config.group_image_budgets = None, True
     return {name: statistics.median(times) for name, times in rounds.items()}
 
 
@@ -196,8 +199,10 @@ def study_resolution(model, teacher, sets, resolution: int, ladder: list[int], f
 
     # wall time of the real calls, the policy's cascade included; its picks checked against the simulated ones
     timing = pixels["queries"][: args.timing_images]
-    methods = {f"C = {b}": (b, None) for b in ladder}
-    methods.update({f"policy @ {t}": ("auto", policy.__dict__) for t, policy in policies.items()})
+    methods = {f"C = {b}": (b, None, True) for b in ladder}
+    methods.update({f"policy @ {t}": ("auto", policy.__dict__, True) for t, policy in policies.items()})
+    # a batch whose images cycle through every budget of the ladder: by budget groups, or masked at the largest
+    methods.update({"every budget, grouped": (ladder, None, True), "every budget, masked": (ladder, None, False)})
     seconds = wall_times(model, timing, methods, args)
     for target, policy in policies.items():
         model.config.adaptive_budget = policy.__dict__
@@ -218,7 +223,15 @@ def study_resolution(model, teacher, sets, resolution: int, ladder: list[int], f
         teacher_row = accuracy(
             features["reference"], labels["reference"], features["queries"], labels["queries"], args
         )
-    return summarise(rows, teacher_row, resolution, costs, ladder)
+    result = summarise(rows, teacher_row, resolution, costs, ladder)
+    mixed_cost = float(costs.mean())  # images cycle through the ladder
+    result["mixed_batch"] = {
+        "budgets": ladder,
+        "mean_cost": mixed_cost,
+        "seconds_per_image": {name: seconds[name] for name in ("every budget, grouped", "every budget, masked")},
+        "largest_budget_seconds_per_image": seconds[f"C = {ladder[-1]}"],
+    }
+    return result
 
 
 def summarise(rows: list[dict], teacher_row: dict | None, resolution: int, costs, ladder) -> dict:
@@ -264,6 +277,14 @@ def markdown(result: dict) -> str:
                 f"{100 * row['linear_accuracy']:.1f} | {row['fidelity']['queries']:.4f} / "
                 f"{row['fidelity']['photos']:.4f} | {counts} |"
             )
+        mixed = block["mixed_batch"]
+        times = mixed["seconds_per_image"]
+        lines.append(
+            f"\nA batch cycling through budgets {mixed['budgets']} (mean cost {mixed['mean_cost']:.3f}): by budget "
+            f"groups {1000 * times['every budget, grouped']:.2f} ms / image, masked at the largest budget "
+            f"{1000 * times['every budget, masked']:.2f}, every image at the largest budget "
+            f"{1000 * mixed['largest_budget_seconds_per_image']:.2f}.\n"
+        )
         lines.append("\nPolicy minus fixed budget, 20-NN points (95% paired bootstrap):\n")
         for row in block["rows"]:
             if row["method"].startswith("policy"):
