@@ -29,7 +29,6 @@ import io
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -314,6 +313,20 @@ def plot(result: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def command_line(args) -> str:
+    """The command as run, with this machine's paths named by what they are."""
+    words = ["python", "studies/budget_policy/study.py"]
+    for name, value in vars(args).items():
+        placeholder = {"student": "STUDENT_DIR", "teacher": "TEACHER_DIR", "fashion_mnist_dir": "FASHION_MNIST_DIR",
+                       "photos_dir": "PHOTOS_DIR"}.get(name)  # fmt: skip
+        if value is not None and (placeholder or value != parse_args(REQUIRED_FOR_DEFAULTS).__dict__[name]):
+            words += [f"--{name}", placeholder or str(value)]
+    return " ".join(words)
+
+
+REQUIRED_FOR_DEFAULTS = ["--student", "-", "--fashion_mnist_dir", "-", "--photos_dir", "-"]
+
+
 def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
         if line.startswith("model name"):
@@ -332,7 +345,7 @@ def main(argv=None) -> dict:
     results_dir.mkdir(parents=True, exist_ok=True)
     result = {
         "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line(args),
         "ladder": ladder,
         "resolutions": [],
     }
