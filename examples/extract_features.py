@@ -51,6 +51,7 @@ from veca_hf.embedding import (
     summarize,
 )
 from veca_hf.hub.access import take_credentials
+from veca_hf.model.modeling_veca import AUTO_BUDGET
 
 
 logger = logging.getLogger("veca_hf.extract_features")
@@ -82,8 +83,12 @@ class ExtractionArguments:
             "aliases": ["--image_processor_name_or_path"],
         },
     )
-    num_core_tokens: int | None = field(
-        default=None, metadata={"help": "VECA's budget C (default: the model's default budget)."}
+    num_core_tokens: str | None = field(
+        default=None,
+        metadata={
+            "help": "VECA's budget C (default: the model's default budget), or `auto`: each image's budget picked by "
+            "the model's fitted policy (`config.adaptive_budget`, see veca_hf.AdaptiveBudget), written per row."
+        },
     )
     resolution: int | None = field(
         default=None, metadata={"help": "Resize and centre-crop every image to this side (default: as saved)."}
@@ -118,6 +123,10 @@ class ExtractionArguments:
             raise ValueError(f"--resolution must be a positive number of pixels, got {self.resolution}.")
         if self.dataloader_num_workers < 0:
             raise ValueError(f"--dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}.")
+        if self.num_core_tokens is not None and self.num_core_tokens != AUTO_BUDGET:
+            if not str(self.num_core_tokens).isdigit():
+                raise ValueError(f"--num_core_tokens must be a budget or 'auto', got {self.num_core_tokens!r}.")
+            self.num_core_tokens = int(self.num_core_tokens)
 
 
 def load_model_and_processor(args: ExtractionArguments, device: torch.device):
@@ -126,7 +135,9 @@ def load_model_and_processor(args: ExtractionArguments, device: torch.device):
     model = AutoModel.from_pretrained(args.model_name_or_path, dtype=DTYPES[args.dtype]).to(device).eval()
     config = model.config
     if config.model_type == "veca":
-        budget = model.resolve_num_core_tokens(args.num_core_tokens)
+        # "auto", or a folder saved with default_num_core_tokens="auto": each image's budget picked by the policy
+        picks = model.picks_budgets(args.num_core_tokens)
+        budget = AUTO_BUDGET if picks else model.resolve_num_core_tokens(args.num_core_tokens)
     elif args.num_core_tokens is not None:
         raise ValueError(f"--num_core_tokens applies to VECA models only, not to model_type={config.model_type!r}.")
     else:
@@ -169,6 +180,7 @@ def main(argv=None):
         resolution=args.resolution, keep_size=args.keep_size, max_image_side=args.max_image_side,
         patch_features=args.patch_features, dtype=args.dtype, rows_per_file=args.rows_per_file,
         image_column=image_column, dataset=redact_urls(args.dataset_name), min_image_size=args.min_image_size,
+        budget_policy=model.config.adaptive_budget if budget == AUTO_BUDGET else None,
     )  # fmt: skip
     if accelerator.is_main_process:
         (output_dir / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)

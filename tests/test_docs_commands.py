@@ -108,6 +108,8 @@ NOT_RUN = {
     ("docs/training.md", "benchmarks/throughput.py"): "minutes: 10,000 steps",
     ("docs/training.md", "["): "a line of a job script: it reads the exit status of the launch before it",
     ("docs/results.md", "studies/cpu_distillation/arms.py"): "hours: the CPU distillation study",
+    ("docs/budget_picker.md", "studies/budget_policy/study.py"): "minutes and real data: a distilled student, "
+    "Fashion-MNIST and photos (tests/test_budget_policy_study.py runs it on a tiny model and generated images)",
     ("docs/training.md", "bash"): "minutes: the README's main job",
     ("docs/performance.md", "veca_hf.hub.export_onnx #1"): "a sketch: its flags are elided",
     ("docs/performance.md", "benchmarks/numerics.py"): "minutes: the int8 speed and accuracy check on your photos",

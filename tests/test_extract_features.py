@@ -22,7 +22,8 @@ from shard_server import ShardServer
 from test_distill_script import ROOT, run_env, two_cpu_processes
 from transformers import AutoImageProcessor, AutoModel, DINOv3ViTModel
 
-from veca_hf import VecaImageProcessor, VecaModel
+from veca_hf import AdaptiveBudget, VecaImageProcessor, VecaModel
+from veca_hf.budget_policy import relative_costs
 from veca_hf.cpu import hardware
 from veca_hf.embedding import part_info, resolution_overrides
 
@@ -299,3 +300,40 @@ def test_a_folder_started_with_the_short_dtype_spelling_resumes(tmp_path):
     EmbeddingSettings(**{**values, "dtype": "bfloat16"}).check_against(tmp_path)  # the same run: no error
     with pytest.raises(ValueError, match="dtype: 'bfloat16' there, 'float32' now"):
         EmbeddingSettings(**{**values, "dtype": "float32"}).check_against(tmp_path)
+
+
+def test_auto_gives_each_image_its_policys_budget_and_its_own_forward(model_dir, image_folder, tmp_path):
+    root, names = image_folder
+    model = VecaModel.from_pretrained(model_dir).eval()
+    torch.manual_seed(1)
+    held_out = torch.randn(40, 3, 32, 32)
+    costs = relative_costs(model.config, 32, 32, [8, 16])
+    AdaptiveBudget.fit(model, held_out, target_mean_cost=float(costs[0]) + 0.5)  # about half the images go on to 16
+    policy_dir = tmp_path / "veca-auto"
+    model.save_pretrained(policy_dir)
+    AutoImageProcessor.from_pretrained(model_dir).save_pretrained(policy_dir)
+    script = load_script()
+    base = ["--dataset_name", str(root), "--dataloader_num_workers", "0", "--per_device_eval_batch_size", "4"]
+    script.main(["--model_name_or_path", str(policy_dir), *base, "--output_dir", str(tmp_path / "out"),
+                 "--num_core_tokens", "auto", "--patch_features", "mean"])  # fmt: skip
+    rows = rows_of(tmp_path / "out")
+    assert sorted(rows) == names
+    budgets = {name: row["num_core_tokens"] for name, row in rows.items()}
+    assert set(budgets.values()) == {8, 16}, budgets  # the policy really picks per image
+    settings = json.loads((tmp_path / "out" / "extraction.json").read_text())
+    assert settings["num_core_tokens"] == "auto" and settings["budget_policy"] == model.config.adaptive_budget
+    for name in names[::2]:
+        image = Image.open(root / name)
+        picked = reference(policy_dir, image, num_core_tokens="auto").core_mask.sum()
+        assert picked == budgets[name]
+        expected = reference(policy_dir, image, num_core_tokens=budgets[name])  # that image alone at its budget
+        torch.testing.assert_close(torch.tensor(rows[name]["embedding"]), expected.pooler_output[0], atol=ATOL, rtol=0)
+        patch_mean = expected.last_hidden_state[0, budgets[name] :].mean(0)
+        torch.testing.assert_close(torch.tensor(rows[name]["patch_mean"]), patch_mean, atol=ATOL, rtol=0)
+    bad = {
+        ("--num_core_tokens", "eight"): "must be a budget or 'auto', got 'eight'",
+        ("--num_core_tokens", "auto"): "needs a budget policy in config.adaptive_budget",  # a model without one
+    }
+    for flags, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            script.main(["--model_name_or_path", str(model_dir), *base, "--output_dir", str(tmp_path / "bad"), *flags])

@@ -13,7 +13,7 @@ fitting images, the first pass included, meets a target: FLOPs as a fraction of 
     outputs = model(pixel_values, num_core_tokens="auto")  # outputs.core_mask.sum(1): each image's budget
     model.save_pretrained(folder)  # the policy travels in config.json
 
-Whether it pays, and when: docs/budget_policy.md.
+Whether it pays, and when: docs/budget_picker.md, "A budget per image, picked by the model".
 """
 
 import math

@@ -112,7 +112,7 @@ class EmbeddingSettings:
 
     model: str
     model_type: str
-    num_core_tokens: int | None  # None: not a VECA model
+    num_core_tokens: int | str | None  # None: not a VECA model; "auto": each image's budget picked by the policy
     resolution: int | None  # None with keep_size: each image at its own size
     keep_size: bool
     max_image_side: int | None
@@ -122,11 +122,12 @@ class EmbeddingSettings:
     image_column: str
     dataset: str
     min_image_size: int
+    budget_policy: dict | None = None  # with num_core_tokens="auto": the model's config.adaptive_budget
 
     def check_against(self, output_dir: Path) -> None:
         """Write the settings into a new `output_dir`, or check that they equal the ones written there before."""
         path = output_dir / SETTINGS_FILE
-        current = dataclasses.asdict(self)
+        current = json.loads(json.dumps(dataclasses.asdict(self)))  # as written: tuples become lists
         if not path.exists():
             write_json(path, current)
             return
@@ -344,7 +345,8 @@ def _num_prefix_tokens(model) -> int:
 @torch.inference_mode()
 def embed(model, batch: dict, num_core_tokens: int | None, patch_features: str, dtype: torch.dtype) -> dict:
     """`{"embedding": (B, D)[, "patch_mean": (B, D) | "patch_features": list of (Hp_i * Wp_i, D), "grid": list of
-    (Hp_i, Wp_i)]}` in float32: VECA's `pooler_output` (core 1 after the final norm), or a DINO model's."""
+    (Hp_i, Wp_i)][, "num_core_tokens": (B,)]}` in float32: VECA's `pooler_output` (core 1 after the final norm), or a
+    DINO model's; `num_core_tokens` is each image's budget where the batch ran at one per image."""
     device = next(model.parameters()).device
     pixel_values = batch["pixel_values"].to(device=device, dtype=dtype)
     kwargs = {}
@@ -354,6 +356,8 @@ def embed(model, batch: dict, num_core_tokens: int | None, patch_features: str, 
             kwargs["pixel_mask"] = batch["pixel_mask"].to(device)
     outputs = model(pixel_values=pixel_values, **kwargs)
     result = {"embedding": outputs.pooler_output.float().cpu()}
+    if getattr(outputs, "core_mask", None) is not None:
+        result["num_core_tokens"] = outputs.core_mask.sum(dim=1).cpu()  # (B,)
     if patch_features == "none":
         return result
     prefix = _num_prefix_tokens(model) or outputs.core_positions.shape[1]
@@ -377,7 +381,8 @@ def embed(model, batch: dict, num_core_tokens: int | None, patch_features: str, 
 
 
 def part_table(ids: list[str], features: list[dict], patch_features: str, hidden_size: int) -> pa.Table:
-    """The Parquet table of one part: `id`, `embedding` (float32 x D), and the patch features asked for."""
+    """The Parquet table of one part: `id`, `embedding` (float32 x D), the patch features asked for, and each image's
+    budget (`num_core_tokens`) where the model picked one per image."""
     vector = pa.list_(pa.float32(), hidden_size)
     embeddings = np.concatenate([f["embedding"].numpy() for f in features]) if features else np.zeros((0, hidden_size))
     columns = {"id": pa.array(ids, pa.string()), "embedding": _vectors(embeddings, vector)}
@@ -392,6 +397,8 @@ def part_table(ids: list[str], features: list[dict], patch_features: str, hidden
         columns["patch_features"] = pa.ListArray.from_arrays(pa.array(offsets), _vectors(flat, vector))
         columns["grid_height"] = pa.array([g[0] for g in grids], pa.int32())
         columns["grid_width"] = pa.array([g[1] for g in grids], pa.int32())
+    if features and "num_core_tokens" in features[0]:
+        columns["num_core_tokens"] = pa.array(torch.cat([f["num_core_tokens"] for f in features]).numpy(), pa.int32())
     return pa.table(columns)
 
 

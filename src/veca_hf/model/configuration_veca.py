@@ -105,7 +105,7 @@ class VecaConfig(BackboneConfigMixin, PreTrainedConfig):
             A fitted budget policy (written by `veca_hf.AdaptiveBudget`): with `num_core_tokens="auto"` (or
             `default_num_core_tokens="auto"`), every image runs first at the policy's smallest budget and then, if
             the policy predicts more cores would change its global feature by more than its threshold, at a larger
-            one (docs/budget_policy.md).
+            one (docs/budget_picker.md, "A budget per image, picked by the model").
         group_image_budgets (`bool`, *optional*, defaults to `True`):
             How a batch whose images have different budgets (`num_core_tokens` a list) runs: `True`, one forward per
             budget on the images of that budget, so each image costs only its own cores; `False`, one forward at the
