@@ -3,7 +3,7 @@
 Every image's outputs equal those of a forward of that image alone at its budget (fp32, 1e-5), whether the batch runs
 as one sub-batch per budget (`config.group_image_budgets=True`) or as one call at the largest budget with the unused
 cores masked out of every attention (`False`), with eager and SDPA attention, for images of one size and of several
-(`pixel_mask`), in `VecaModel`, `VecaForImageClassification` and `VecaBackbone`.
+(`pixel_mask`), in `VecaModel`, `VecaForImageClassification`, `VecaBackbone` and the dense heads.
 """
 
 import numpy as np
@@ -11,7 +11,13 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from veca_hf import VecaBackbone, VecaForImageClassification, VecaModel
+from veca_hf import (
+    VecaBackbone,
+    VecaForDepthEstimation,
+    VecaForImageClassification,
+    VecaForSemanticSegmentation,
+    VecaModel,
+)
 
 
 ATOL = 1e-5
@@ -163,6 +169,19 @@ def test_classifier_and_backbone_take_a_budget_per_image(group):
             for feature_map, alone in zip(maps, backbone(single, num_core_tokens=budget).feature_maps, strict=True):
                 assert feature_map.shape[1:] == alone.shape[1:] == (64, 3, 4)
                 torch.testing.assert_close(feature_map[index], alone[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("head_class", [VecaForSemanticSegmentation, VecaForDepthEstimation])
+def test_dense_heads_take_a_budget_per_image(head_class):
+    model = tiny(head_class, group=True, num_labels=3)
+    pixel_values = images()
+    with torch.no_grad():
+        outputs = model(pixel_values, num_core_tokens=BUDGETS)
+        predictions = outputs.logits if head_class is VecaForSemanticSegmentation else outputs.predicted_depth
+        for index, budget in enumerate(BUDGETS):
+            alone = model(pixel_values[index : index + 1], num_core_tokens=budget)
+            expected = alone.logits if head_class is VecaForSemanticSegmentation else alone.predicted_depth
+            torch.testing.assert_close(predictions[index], expected[0], atol=ATOL, rtol=0)
 
 
 def test_per_image_budgets_train():

@@ -434,12 +434,13 @@ class VecaPreTrainedModel(PreTrainedModel):
 VECA_INPUTS_DOCSTRING = r"""
     pixel_values (`torch.FloatTensor` of shape `(batch_size, num_channels, height, width)`):
         Normalised images (from [`VecaImageProcessor`]); height and width any multiples of `config.patch_size`.
-    num_core_tokens (`int`, or a list or 1-D tensor of `batch_size` ints, *optional*):
+    num_core_tokens (`int`, a list or 1-D tensor of `batch_size` ints, or `"auto"`, *optional*):
         The budget `C`: how many cores of the bank are active (a prefix). A multiple of `config.core_chunk_size` up
         to `config.core_bank_size`. Defaults to `config.default_num_core_tokens`, else the whole bank. One budget per
         image runs every image at its own budget in one call: its outputs equal those of a forward of that image
         alone at that budget (eval mode; up to float rounding), the cores are laid out for the largest budget and
-        the output's `core_mask` says which an image used.
+        the output's `core_mask` says which an image used. `"auto"`: every image's budget picked by the policy fitted
+        in `config.adaptive_budget` (`veca_hf.AdaptiveBudget`).
     pixel_mask (`torch.LongTensor` of shape `(batch_size, height, width)`, *optional*):
         For a batch of images of different sizes padded to one size (the image processor's `do_pad=True`): 1 for real
         pixels, 0 for padding, padded on patch boundaries. Padded patches are hidden from the cores and each image's
@@ -514,6 +515,8 @@ class VecaEncoder(VecaPreTrainedModel):
 
 
 AUTO_BUDGET = "auto"  # `num_core_tokens="auto"`: every image's budget picked by `config.adaptive_budget`
+# what `num_core_tokens` takes: one budget, one per image (a list or 1-D tensor), AUTO_BUDGET, or None (the default)
+NumCoreTokens = int | list[int] | tuple[int, ...] | torch.Tensor | str | None
 
 
 def budget_policy_features(outputs: "VecaModelOutput") -> torch.Tensor:
@@ -653,7 +656,7 @@ class VecaModel(VecaPreTrainedModel):
     def forward(
         self,
         pixel_values: torch.Tensor,
-        num_core_tokens: int | None = None,
+        num_core_tokens: NumCoreTokens = None,
         pixel_mask: torch.Tensor | None = None,
         output_core_positions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
@@ -842,7 +845,7 @@ class VecaForImageClassification(VecaPreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
-        num_core_tokens: int | None = None,
+        num_core_tokens: NumCoreTokens = None,
         pixel_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> ImageClassifierOutput:
@@ -892,7 +895,7 @@ class VecaBackbone(BackboneMixin, VecaPreTrainedModel):
     def forward(
         self,
         pixel_values: torch.Tensor,
-        num_core_tokens: int | None = None,
+        num_core_tokens: NumCoreTokens = None,
         pixel_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BackboneOutput:

@@ -29,7 +29,7 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_veca import VecaConfig
-from .modeling_veca import VecaModel, VecaModelOutput, VecaPreTrainedModel, veca_docstring
+from .modeling_veca import NumCoreTokens, VecaModel, VecaModelOutput, VecaPreTrainedModel, veca_docstring
 
 
 def upsample_patch_logits(logits: torch.Tensor, patch_size: int, patch_mask: torch.Tensor | None) -> torch.Tensor:
@@ -95,7 +95,7 @@ class VecaDensePreTrainedModel(VecaPreTrainedModel):
         self,
         head: nn.Linear,
         pixel_values: torch.Tensor,
-        num_core_tokens: int | None,
+        num_core_tokens: NumCoreTokens,
         pixel_mask: torch.Tensor | None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, VecaModelOutput]:
@@ -131,7 +131,7 @@ class VecaForSemanticSegmentation(VecaDensePreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
-        num_core_tokens: int | None = None,
+        num_core_tokens: NumCoreTokens = None,
         pixel_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> SemanticSegmenterOutput:
@@ -186,7 +186,7 @@ class VecaForDepthEstimation(VecaDensePreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         labels: torch.Tensor | None = None,
-        num_core_tokens: int | None = None,
+        num_core_tokens: NumCoreTokens = None,
         pixel_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DepthEstimatorOutput:
