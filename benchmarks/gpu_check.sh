@@ -148,7 +148,7 @@ else
 fi
 for stage in 2 3; do
     reason="$SKIP_ALL"
-    if [ -z "$reason" ] && [ "$HAS_CUDA" != "1" ]; then reason="DeepSpeed stages need CUDA (a custom loop under DeepSpeed on CPU is not checkable: FACTS.md)"; fi
+    if [ -z "$reason" ] && [ "$HAS_CUDA" != "1" ]; then reason="DeepSpeed stages need CUDA (on CPU, DeepSpeed misreports the world size of a custom Accelerate loop: README.md, What has been run)"; fi
     if [ -z "$reason" ] && [ "$HAVE_DEEPSPEED" != "1" ]; then reason="deepspeed is not installed: carry its wheel in .whl"; fi
     sed -e 's/^num_processes: .*/num_processes: 1/' "examples/configs/deepspeed_zero$stage.yaml" >"$WORK/zero$stage.yaml"
     distill_stage "zero$stage" "$reason" "${LAUNCH[@]}" --config_file "$WORK/zero$stage.yaml"
