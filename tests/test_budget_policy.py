@@ -12,9 +12,11 @@ from PIL import Image
 from transformers import AutoImageProcessor, pipeline
 
 from veca_hf import AdaptiveBudget, VecaConfig, VecaForImageClassification, VecaImageProcessorPil, VecaModel
+from veca_hf.arguments import BudgetArguments
 from veca_hf.budget_policy import cascade_costs, policy_training_data, ridge, threshold_for_cost
 from veca_hf.flops import veca_model_flops
 from veca_hf.model.modeling_veca import budget_policy_features, first_budget_within
+from veca_hf.training.scripts import eval_budgets_from_args
 
 
 ATOL = 1e-5
@@ -186,3 +188,24 @@ def test_bad_requests_name_the_problem(model, pixel_values):
         tiny_config(adaptive_budget=policy)
     with pytest.raises(ValueError, match=r"holds no VecaModel"):
         AdaptiveBudget.fit(torch.nn.Linear(2, 2), pixel_values[:20], target_mean_cost=0.8)
+
+
+def test_auto_is_refused_inside_a_graph_and_has_no_single_flop_count(fitted, pixel_values):
+    """A traced graph would keep the picks of its example inputs for every later batch; 'auto' has no one budget."""
+    model, _ = fitted
+
+    class Auto(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.veca = model
+
+        def forward(self, pixel_values):
+            return self.veca(pixel_values, num_core_tokens="auto").pooler_output
+
+    with pytest.raises(ValueError, match=r"a traced, compiled or exported graph cannot do"):
+        torch.jit.trace(Auto(), pixel_values[:4], check_trace=False)
+    config = VecaConfig(**{**model.config.to_dict(), "default_num_core_tokens": "auto"})
+    with pytest.raises(ValueError, match=r"num_core_tokens='auto' has no FLOP count of its own"):
+        veca_model_flops(config, 64, 64)
+    # the fine-tuning scripts evaluate at the smallest and the largest budget when the default is 'auto'
+    assert eval_budgets_from_args(BudgetArguments(), VecaModel(config)) == [8, 32]

@@ -201,8 +201,30 @@ def test_per_image_budgets_train():
         ([8, 16, 32, 8, 8], r"num_core_tokens\[2\]=32 is not a valid budget"),
         ([8, 16.0, 8, 8, 8], r"num_core_tokens\[1\]=16.0 is not a valid budget"),
         (torch.tensor([8.0, 16.0, 8.0, 8.0, 8.0]), r"must hold integers"),
+        (torch.tensor([[8], [16], [8], [8], [8]]), r"of shape \(5, 1\): pass one int for the batch, or one budget"),
     ],
 )
 def test_bad_per_image_budgets_name_the_problem(budgets, message):
     with pytest.raises(ValueError, match=message):
         tiny(group=True)(images(), num_core_tokens=budgets)
+
+
+def test_one_element_arrays_are_one_budget():
+    model = tiny(group=True)
+    pixel_values = images(batch_size=1)
+    with torch.no_grad():
+        plain = model(pixel_values, num_core_tokens=16).last_hidden_state
+        for budget in (np.array([16]), np.int64(16), torch.tensor([16])):
+            assert torch.equal(model(pixel_values, num_core_tokens=budget).last_hidden_state, plain)
+
+
+def test_masked_budgets_export_as_one_graph_equal_to_eager():
+    """The masked path branches on the budgets' Python values only, so `torch.export` captures it as one graph."""
+    model = tiny(group=False)
+    pixel_values = images()
+    exported = torch.export.export(model, (pixel_values,), kwargs={"num_core_tokens": BUDGETS})
+    with torch.no_grad():
+        eager = model(pixel_values, num_core_tokens=BUDGETS)
+    graph_outputs = exported.module()(pixel_values, num_core_tokens=BUDGETS)
+    torch.testing.assert_close(graph_outputs.last_hidden_state, eager.last_hidden_state, atol=ATOL, rtol=0)
+    torch.testing.assert_close(graph_outputs.pooler_output, eager.pooler_output, atol=ATOL, rtol=0)

@@ -185,6 +185,7 @@ def policy_training_data(
     try:
         for batch in batches:
             for chunk in batch.split(batch_size):
+                chunk = chunk.to(veca.device)  # held-out images may sit on the CPU while the model is on a GPU
                 outputs = {budget: veca(chunk, num_core_tokens=budget) for budget in ladder}
                 features.append(budget_policy_features(outputs[ladder[0]]).double())
                 largest = outputs[ladder[-1]].pooler_output.double()

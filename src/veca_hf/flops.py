@@ -150,6 +150,12 @@ def veca_model_flops(
     """
     if num_core_tokens is None:
         num_core_tokens = getattr(config, "default_num_core_tokens", None) or config.core_bank_size
+    if isinstance(num_core_tokens, str):
+        raise ValueError(
+            f"num_core_tokens={num_core_tokens!r} has no FLOP count of its own: with 'auto' each image's cost "
+            "depends on the budget picked for it. Pass a budget, or read the fitted policy's mean_cost "
+            "(veca_hf.AdaptiveBudget)."
+        )
     if hasattr(config, "check_budget"):
         num_core_tokens = config.check_budget(int(num_core_tokens))
     hidden_size, intermediate_size = config.hidden_size, config.intermediate_size

@@ -26,6 +26,7 @@ that a saved folder loads with `trust_remote_code=True` where `veca_hf` is not i
 """
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -568,6 +569,8 @@ class VecaModel(VecaPreTrainedModel):
         """The budget for this call: the argument, else `config.default_num_core_tokens`, else the whole bank."""
         if isinstance(num_core_tokens, (list, tuple)) and len(num_core_tokens) == 1:
             num_core_tokens = num_core_tokens[0]
+        if type(num_core_tokens).__module__ == "numpy" and getattr(num_core_tokens, "size", 0) == 1:
+            num_core_tokens = num_core_tokens.item()  # a NumPy scalar or one-element array: its Python number
         if num_core_tokens is None:
             num_core_tokens = self.config.default_num_core_tokens or self.config.core_bank_size
         # only an integer tensor becomes an int: `int()` would truncate 8.5 (or turn True into 1) silently.
@@ -580,6 +583,12 @@ class VecaModel(VecaPreTrainedModel):
     def resolve_image_budgets(self, num_core_tokens, batch_size: int) -> list[int] | None:
         """Every image's budget when `num_core_tokens` holds one per image (a list, tuple, array or 1-D tensor of
         `batch_size` budgets), else `None`: one budget serves the batch ([`resolve_num_core_tokens`])."""
+        is_array = isinstance(num_core_tokens, torch.Tensor) or type(num_core_tokens).__module__ == "numpy"
+        if is_array and getattr(num_core_tokens, "ndim", 0) > 1 and math.prod(num_core_tokens.shape) > 1:
+            raise ValueError(
+                f"num_core_tokens of shape {tuple(num_core_tokens.shape)}: pass one int for the batch, or one budget "
+                "per image as a list or a 1-D tensor."
+            )
         if isinstance(num_core_tokens, torch.Tensor) and num_core_tokens.ndim == 1 and num_core_tokens.numel() > 1:
             if num_core_tokens.dtype.is_floating_point or num_core_tokens.dtype.is_complex:
                 raise ValueError(f"num_core_tokens={num_core_tokens!r} must hold integers, one budget per image.")
@@ -616,6 +625,13 @@ class VecaModel(VecaPreTrainedModel):
             raise ValueError(
                 "num_core_tokens='auto' needs a budget policy in config.adaptive_budget: fit one with "
                 "veca_hf.AdaptiveBudget.fit(model, pixel_values, target_mean_cost=...)."
+            )
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            # a graph would keep the budgets picked for the example inputs, whatever the images it later sees
+            raise ValueError(
+                "num_core_tokens='auto' picks budgets from each batch's first pass, which a traced, compiled or "
+                "exported graph cannot do: run the model eagerly with 'auto' and pass its picks "
+                "(outputs.core_mask.sum(1).tolist()) to the graph, or pass one budget."
             )
         return True
 
@@ -693,7 +709,7 @@ class VecaModel(VecaPreTrainedModel):
         # a batch without padding (e.g. images of one size) and of one budget takes the unmasked path below, exactly
         # as without `pixel_mask`; only real padding or mixed budgets cost masks.
         padded = patch_mask is not None and not bool(patch_mask.all())
-        mixed_budgets = core_mask is not None and not bool(core_mask.all())
+        mixed_budgets = image_budgets is not None and len(set(image_budgets)) > 1  # Python values: one graph
         attention_mask, core_key_mask = None, None
         if padded or mixed_budgets:
             # NOTE: flash kernels take no additive mask, and torch's compiled flex kernel aborts on CPU with one

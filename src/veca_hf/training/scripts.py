@@ -47,6 +47,8 @@ def eval_budgets_from_args(budget_args: BudgetArguments, model: nn.Module) -> li
     """`--eval_budgets`, else the smallest budget, the model's default and the largest."""
     config = veca_config(model)
     default_budget = config.default_num_core_tokens or config.core_bank_size
+    if not isinstance(default_budget, int):  # "auto": each image's budget is picked, there is no one default
+        default_budget = config.budgets[-1]
     return parse_number_list(budget_args.eval_budgets, "eval_budgets") or sorted(
         {config.budgets[0], default_budget, config.budgets[-1]}
     )
