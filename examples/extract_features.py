@@ -51,7 +51,7 @@ from veca_hf.embedding import (
     summarize,
 )
 from veca_hf.hub.access import take_credentials
-from veca_hf.model.modeling_veca import AUTO_BUDGET
+from veca_hf.model.image_budgets_veca import AUTO_BUDGET
 
 
 logger = logging.getLogger("veca_hf.extract_features")

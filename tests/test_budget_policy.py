@@ -15,7 +15,7 @@ from veca_hf import AdaptiveBudget, VecaConfig, VecaForImageClassification, Veca
 from veca_hf.arguments import BudgetArguments
 from veca_hf.budget_policy import cascade_costs, policy_training_data, ridge, threshold_for_cost
 from veca_hf.flops import veca_model_flops
-from veca_hf.model.modeling_veca import budget_policy_features, first_budget_within
+from veca_hf.model.image_budgets_veca import budget_policy_features, first_budget_within
 from veca_hf.training.scripts import eval_budgets_from_args
 
 

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .flops import veca_model_flops
-from .model.modeling_veca import VecaModel, budget_policy_features, budgets_picked_by, first_budget_within
+from .model.image_budgets_veca import budget_policy_features, budgets_picked_by, first_budget_within
+from .model.modeling_veca import VecaModel
 from .routing import veca_config
 
 

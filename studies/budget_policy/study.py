@@ -44,7 +44,7 @@ from veca_hf.evaluation import extract_features, fashion_mnist, preprocess_image
 from veca_hf.evaluation.knn import knn_classify
 from veca_hf.evaluation.linear_probes import predict_classes
 from veca_hf.evaluation.statistics import paired_bootstrap_interval
-from veca_hf.model.modeling_veca import budget_policy_features, first_budget_within
+from veca_hf.model.image_budgets_veca import budget_policy_features, first_budget_within
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,7 +29,8 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.generic import can_return_tuple
 
 from .configuration_veca import VecaConfig
-from .modeling_veca import NumCoreTokens, VecaModel, VecaModelOutput, VecaPreTrainedModel, veca_docstring
+from .image_budgets_veca import NumCoreTokens
+from .modeling_veca import VecaModel, VecaModelOutput, VecaPreTrainedModel, veca_docstring
 
 
 def upsample_patch_logits(logits: torch.Tensor, patch_size: int, patch_mask: torch.Tensor | None) -> torch.Tensor:
