@@ -44,10 +44,11 @@ def budget_sampler_from_args(budget_args: BudgetArguments, model: nn.Module, see
 
 
 def eval_budgets_from_args(budget_args: BudgetArguments, model: nn.Module) -> list[int]:
-    """`--eval_budgets`, else the smallest budget, the model's default and the largest."""
+    """`--eval_budgets`, else the smallest budget, the model's default and the largest (the smallest and the largest
+    when the default is `"auto"`: each image's budget is picked, there is no one default)."""
     config = veca_config(model)
     default_budget = config.default_num_core_tokens or config.core_bank_size
-    if not isinstance(default_budget, int):  # "auto": each image's budget is picked, there is no one default
+    if not isinstance(default_budget, int):  # "auto"
         default_budget = config.budgets[-1]
     return parse_number_list(budget_args.eval_budgets, "eval_budgets") or sorted(
         {config.budgets[0], default_budget, config.budgets[-1]}
