@@ -30,6 +30,11 @@ AUTO_BUDGET = "auto"  # `num_core_tokens="auto"`: every image's budget picked by
 NumCoreTokens = int | list[int] | tuple[int, ...] | torch.Tensor | str | None
 
 
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` holds budgets: `int()` would truncate 8.5, or turn True into 1, silently."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def budget_policy_features(outputs: "VecaModelOutput") -> torch.Tensor:
     """What the budget policy reads from a forward's outputs: the global feature and the mean of the image's own
     patch tokens, each scaled to unit length, side by side: `(B, 2 * D)`."""
@@ -68,23 +73,20 @@ class VecaImageBudgetsMixin:
     def resolve_image_budgets(self, num_core_tokens, batch_size: int) -> list[int] | None:
         """Every image's budget when `num_core_tokens` holds one per image (a list, tuple, array or 1-D tensor of
         `batch_size` budgets), else `None`: one budget serves the batch ([`resolve_num_core_tokens`])."""
-        is_array = isinstance(num_core_tokens, torch.Tensor) or type(num_core_tokens).__module__ == "numpy"
-        if is_array and getattr(num_core_tokens, "ndim", 0) > 1 and math.prod(num_core_tokens.shape) > 1:
-            raise ValueError(
-                f"num_core_tokens of shape {tuple(num_core_tokens.shape)}: pass one int for the batch, or one budget "
-                "per image as a list or a 1-D tensor."
-            )
-        if isinstance(num_core_tokens, torch.Tensor) and num_core_tokens.ndim == 1 and num_core_tokens.numel() > 1:
-            if num_core_tokens.dtype.is_floating_point or num_core_tokens.dtype.is_complex:
+        if isinstance(num_core_tokens, torch.Tensor) or type(num_core_tokens).__module__ == "numpy":
+            if num_core_tokens.ndim > 1 and math.prod(num_core_tokens.shape) > 1:
+                raise ValueError(
+                    f"num_core_tokens of shape {tuple(num_core_tokens.shape)}: pass one int for the batch, or one "
+                    "budget per image as a list or a 1-D tensor."
+                )
+            if num_core_tokens.ndim != 1 or len(num_core_tokens) < 2:
+                return None  # one budget
+            if isinstance(num_core_tokens, torch.Tensor) and not is_integer_dtype(num_core_tokens.dtype):
                 raise ValueError(f"num_core_tokens={num_core_tokens!r} must hold integers, one budget per image.")
             budgets = num_core_tokens.tolist()
         elif isinstance(num_core_tokens, (list, tuple)) and len(num_core_tokens) > 1:
             budgets = list(num_core_tokens)
-        elif type(num_core_tokens).__module__ == "numpy" and getattr(num_core_tokens, "ndim", 0) == 1:
-            budgets = num_core_tokens.tolist() if len(num_core_tokens) > 1 else None
         else:
-            return None
-        if budgets is None:
             return None
         if len(budgets) != batch_size:
             raise ValueError(

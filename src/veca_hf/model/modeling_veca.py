@@ -47,7 +47,7 @@ from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_veca import VecaConfig
-from .image_budgets_veca import NumCoreTokens, VecaImageBudgetsMixin
+from .image_budgets_veca import NumCoreTokens, VecaImageBudgetsMixin, is_integer_dtype
 from .modeling_utils_veca import check_model_kwargs, check_pixel_values, gathered_for_init, save_code_and_auto_map
 from .positions_veca import (
     VecaRopePositionEmbedding,
@@ -537,10 +537,8 @@ class VecaModel(VecaImageBudgetsMixin, VecaPreTrainedModel):
             num_core_tokens = num_core_tokens.item()  # a NumPy scalar or one-element array: its Python number
         if num_core_tokens is None:
             num_core_tokens = self.config.default_num_core_tokens or self.config.core_bank_size
-        # only an integer tensor becomes an int: `int()` would truncate 8.5 (or turn True into 1) silently.
         if isinstance(num_core_tokens, torch.Tensor) and num_core_tokens.numel() == 1:
-            dtype = num_core_tokens.dtype
-            if not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+            if is_integer_dtype(num_core_tokens.dtype):  # others go on to check_budget's error, unconverted
                 num_core_tokens = int(num_core_tokens)
         return self.config.check_budget(num_core_tokens)
 
