@@ -86,6 +86,16 @@ def test_the_first_pass_serves_the_images_that_stay(fitted, pixel_values, monkey
     assert sorted(runs[1:]) == sorted((b, picked.count(b)) for b in set(picked) if b != 8)  # no image runs 8 twice
 
 
+def test_a_batch_that_stays_at_the_first_budget_runs_once(fitted, pixel_values, monkeypatch):
+    model, policy = fitted
+    monkeypatch.setitem(model.config.adaptive_budget, "threshold", float("inf"))  # every image stays at 8
+    with torch.no_grad():
+        outputs = model(pixel_values[40:], num_core_tokens="auto")
+        alone = model(pixel_values[40:], num_core_tokens=8)
+    assert outputs.core_mask.shape == (20, 8) and outputs.core_mask.all()
+    assert torch.equal(outputs.last_hidden_state, alone.last_hidden_state)
+
+
 def test_the_policy_travels_with_the_folder_and_reaches_pipelines(fitted, pixel_values, tmp_path):
     model, policy = fitted
     model.save_pretrained(tmp_path)

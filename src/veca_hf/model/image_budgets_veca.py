@@ -141,6 +141,11 @@ class VecaImageBudgetsMixin:
             pixel_values, smallest, pixel_mask, output_core_positions, return_dict=True, **kwargs
         )
         image_budgets = self.pick_image_budgets(first_pass)
+        if set(image_budgets) == {smallest}:  # often the whole batch: the first pass is the answer, no regrouping
+            first_pass.core_mask = torch.ones(
+                len(image_budgets), smallest, dtype=torch.bool, device=first_pass.last_hidden_state.device
+            )  # (B, C)
+            return first_pass
         return self._forward_budget_groups(
             pixel_values, image_budgets, pixel_mask, output_core_positions, first_pass=(smallest, first_pass), **kwargs
         )
