@@ -70,7 +70,13 @@ from veca_hf.training.distillation_run import (
     setup_accelerator_logging,
     uses_zero3,
 )
-from veca_hf.training.faults import PREEMPTED_EXIT_CODE, StepGuard, ignore_sigterm, join_restarted_group
+from veca_hf.training.faults import (
+    PREEMPTED_EXIT_CODE,
+    StepGuard,
+    end_training_together,
+    ignore_sigterm,
+    join_restarted_group,
+)
 from veca_hf.training.optimization import (
     build_optimizer,
     check_optimizer_backend,
@@ -518,7 +524,7 @@ def train(run: DistillationRun, args: DistillationArguments) -> None:
                 f"Stopped by SIGTERM after step {progress.step}; checkpoint-{progress.step} is written. Resume "
                 f"with --resume_from_checkpoint latest. Exit code {PREEMPTED_EXIT_CODE}."
             )
-            accelerator.end_training()
+            end_training_together(accelerator)
             sys.exit(PREEMPTED_EXIT_CODE)
     bar.close()
 
@@ -674,9 +680,9 @@ def main():
 
     accelerator.wait_for_everyone()
     run.save_student()
+    end_training_together(accelerator)  # before the main process writes and uploads, which can take minutes
     if accelerator.is_main_process:
         write_outputs(run, data_args, args, repo_id)
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from veca_hf.embedding import (
 )
 from veca_hf.hub.access import take_credentials
 from veca_hf.model.image_budgets_veca import AUTO_BUDGET
+from veca_hf.training.faults import end_training_together
 
 
 logger = logging.getLogger("veca_hf.extract_features")
@@ -214,6 +215,7 @@ def main(argv=None):
     accelerator.wait_for_everyone()
     seconds = time.perf_counter() - start
     images = accelerator.reduce(torch.tensor(writer.images, device=accelerator.device), reduction="sum").item()
+    end_training_together(accelerator)
     if accelerator.is_main_process:
         metadata = summarize(output_dir, settings, processor.to_dict(), batches.num_sources)
         logger.info(
@@ -222,7 +224,6 @@ def main(argv=None):
             f"datasets.load_dataset('parquet', data_files='{output_dir}/part-*.parquet'). This run: {images} images "
             f"in {seconds:.1f} s ({images / seconds:.2f} images/s over {accelerator.num_processes} process(es))."
         )
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

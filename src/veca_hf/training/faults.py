@@ -6,6 +6,7 @@ process group of an elastic restart after a rank died (`join_restarted_group`).
 gradients, checks the loss and the gradients for NaN / inf, and with one all-reduce makes every process agree on two
 things: whether to apply the update (a non-finite step is skipped on all of them) and whether to stop (SIGTERM on
 any of them: write a checkpoint and exit). Too many non-finite steps in a row stop the run with an error.
+`end_training_together` ends a run on every process at once.
 
 ```python
 guard = StepGuard(max_consecutive_nonfinite_steps=10).install_signal_handler()
@@ -49,6 +50,15 @@ def any_process(accelerator, *flags: bool) -> list[bool]:
     values = torch.tensor([float(bool(flag)) for flag in flags], device=accelerator.device)
     values = accelerator.reduce(values, reduction="sum")
     return [value > 0 for value in values.tolist()]
+
+
+def end_training_together(accelerator) -> None:
+    """`accelerator.end_training()` on every process at once: all of them leave the process group together (every
+    process must call this, after its last collective)."""
+    # NOTE: a process that exits while its peers still hold the group can abort (SIGABRT) in gloo's teardown, and
+    # a launcher whose worker aborted leaves the other machines' launchers waiting at torchrun's exit barrier.
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 @torch.no_grad()
