@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import warm_python
+
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -14,8 +16,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), "OM
 
 def run_script(name: str, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python benchmarks/<name> ARGS` from the repository's root; fails the test on a non-zero exit."""
-    completed = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], cwd=ROOT, env=env or ENV,
-                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    completed = warm_python.run([sys.executable, str(BENCHMARKS / name), *args], cwd=ROOT, env=env or ENV,
+                                capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return completed
 

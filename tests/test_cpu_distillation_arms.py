@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from test_cpu_distillation_study import study_inputs  # noqa: F401 (the fixture)
 
 
@@ -29,6 +30,7 @@ def test_smoke_runs_write_gaps_seed_spread_and_skip_finished_runs(study_inputs, 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     arms = load_arms()
+    monkeypatch.setattr(arms.base, "subprocess", warm_python.as_subprocess_module())  # stages forked, not started
     results_dir = tmp_path / "results"
     argv = ["--smoke", "--teacher_name_or_path", str(study_inputs / "teacher"),
             "--photos_dir", str(study_inputs / "photos"), "--fashion_mnist_dir", str(study_inputs / "fashion-mnist"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm_python
 from conftest import tiny_dinov3_config, write_idx
 from PIL import Image
 from transformers import DINOv3ViTModel
@@ -46,6 +47,7 @@ def test_smoke_study_writes_table_targets_and_plot_and_resumes(study_inputs, tmp
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     study = load_study()
+    monkeypatch.setattr(study, "subprocess", warm_python.as_subprocess_module())  # stages forked, not started
     argv = ["--smoke", "--teacher_name_or_path", str(study_inputs / "teacher"),
             "--photos_dir", str(study_inputs / "photos"), "--fashion_mnist_dir", str(study_inputs / "fashion-mnist"),
             "--output_dir", str(tmp_path / "study")]  # fmt: skip

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import warm_python
 from conftest import tiny_config, tiny_dinov3_config
 from huggingface_hub import ModelCard
 from PIL import Image
@@ -83,7 +84,8 @@ def run_distill(
     script = FAULTS_SCRIPT if any(name.startswith("VECA_HF_TEST_") for name in env or {}) else SCRIPT
     command = (launcher or [sys.executable]) + [str(script)] + args
     env = {**run_env(), "ACCELERATE_USE_CPU": "true", **(env or {})}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    runner = subprocess.run if launcher else warm_python.run  # the launcher's workers start as fresh interpreters
+    result = runner(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
@@ -284,7 +286,7 @@ def test_resume_never_runs_code_planted_in_a_checkpoint(workspace, tmp_path):
 @pytest.mark.processes
 def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
     command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "bad", budgets="8,12")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
+    result = warm_python.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
     assert result.returncode != 0
     assert "--budgets entry=12 is not a valid budget" in result.stderr
 
@@ -292,7 +294,7 @@ def test_bad_arguments_fail_with_a_clear_message(workspace, tmp_path):
 @pytest.mark.processes
 def test_hub_model_id_without_push_to_hub_is_refused_before_any_work(workspace, tmp_path):
     command = [sys.executable, str(SCRIPT)] + distill_args(workspace, tmp_path / "hub", hub_model_id="me/veca")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
+    result = warm_python.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
     assert result.returncode != 0
     assert "--hub_model_id given without --push_to_hub" in result.stderr
     assert not (tmp_path / "hub").exists()
@@ -326,7 +328,7 @@ def test_a_student_config_of_another_model_fails_with_a_clear_message(workspace,
     command = [sys.executable, str(SCRIPT)] + distill_args(
         workspace, tmp_path / "bad", student_config=tmp_path / "vit"
     )
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
+    result = warm_python.run(command, capture_output=True, text=True, timeout=300, env=run_env(), cwd=ROOT)
     assert result.returncode != 0
     assert f"The student {tmp_path / 'vit'} is a 'vit' model" in result.stderr
     assert not (tmp_path / "bad" / "checkpoints").exists()

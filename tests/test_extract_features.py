@@ -16,6 +16,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+import warm_python
 from conftest import tiny_config, tiny_dinov3_config
 from PIL import Image
 from shard_server import ShardServer
@@ -110,7 +111,8 @@ def reference(model_dir, image: Image.Image, num_core_tokens=None, **overrides):
 def run_script(args: list[str], launcher=None, faults: dict | None = None, check=True):
     command = (launcher or [sys.executable]) + [str(FAULTS_SCRIPT if faults else SCRIPT)] + [str(a) for a in args]
     env = {**run_env(), "ACCELERATE_USE_CPU": "true", **(faults or {})}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    runner = subprocess.run if launcher else warm_python.run  # the launcher's workers start as fresh interpreters
+    result = runner(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
