@@ -37,8 +37,10 @@ case "$job" in
                 echo "tests/test_app.py needs Chromium: 'sudo apt-get install chromium', or set VECA_HF_CHROMIUM" >&2
             fi
         fi
-        # One worker per core (pytest-xdist); a worker takes the next test as it finishes one.
-        exec "$VENV/bin/python" -m pytest -q -n auto --dist worksteal "$@"
+        # One worker per core plus one (pytest-xdist; at most 8), which keeps the cores busy while a test waits for
+        # the processes it started; a worker takes the next test as it finishes one.
+        workers=$(( $(nproc) + 1 < 8 ? $(nproc) + 1 : 8 ))
+        exec "$VENV/bin/python" -m pytest -q -n "$workers" --dist worksteal "$@"
         ;;
     test-quick)
         export HF_HUB_OFFLINE=1
