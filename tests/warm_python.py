@@ -15,6 +15,7 @@ a zygote serves only requests whose environment equals the one it was started wi
 """
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -22,10 +23,12 @@ import runpy
 import select
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -154,26 +157,14 @@ def as_subprocess_module() -> types.SimpleNamespace:
     return types.SimpleNamespace(run=run, STDOUT=subprocess.STDOUT, PIPE=subprocess.PIPE)
 
 
-class _output_files:
-    """Two temporary files for a captured run, or the log file (stdout and stderr both) of an uncaptured one."""
-
-    def __init__(self, captured: bool, log_path: str | None):
-        self.captured, self.log_path, self.paths = captured, log_path, []
-
-    def __enter__(self) -> tuple[str, str | None]:
-        if not self.captured:
-            return self.log_path, None
-        import tempfile
-
-        for name in ("stdout", "stderr"):
-            handle, path = tempfile.mkstemp(prefix=f"warm-{name}-")
-            os.close(handle)
-            self.paths.append(path)
-        return self.paths[0], self.paths[1]
-
-    def __exit__(self, *exc) -> None:
-        for path in self.paths:
-            os.unlink(path)
+@contextlib.contextmanager
+def _output_files(captured: bool, log_path: str | None) -> Iterator[tuple[str, str | None]]:
+    """Two temporary files (stdout, stderr) for a captured run, or the log file (both streams) of an uncaptured one."""
+    if not captured:
+        yield log_path, None
+        return
+    with tempfile.TemporaryDirectory(prefix="warm-python-") as folder:
+        yield os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
