@@ -21,6 +21,7 @@ import json
 import os
 import runpy
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,8 +61,10 @@ def import_time_environment(env: dict) -> tuple:
 class Zygote:
     def __init__(self, env: dict):
         self.lock = threading.Lock()
+        # NOTE: unbuffered bytes: `readline` then reads no further than its line, so `select` sees every message
+        # not yet read.
         self.process = subprocess.Popen(
-            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0
         )
         if self.receive(deadline=time.monotonic() + 300) != {"ready": True}:
             raise RuntimeError("the zygote did not start")
@@ -79,12 +82,14 @@ class Zygote:
 
     def run(self, request: dict, timeout: float | None) -> tuple[int | None, int]:
         """(exit code, or None on timeout; the child's pid)."""
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
+        message = memoryview((json.dumps(request) + "\n").encode())
+        while message:  # an unbuffered write may take part of it
+            message = message[self.process.stdin.write(message) :]
         pid = self.receive(deadline=None)["pid"]
         reply = self.receive(deadline=None if timeout is None else time.monotonic() + timeout)
         if reply is None:  # as subprocess.run does on a timeout: kill the child, then wait for it
-            os.kill(pid, 9)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended since
+                os.kill(pid, signal.SIGKILL)
             self.receive(deadline=None)
             return None, pid
         return reply["returncode"], pid
