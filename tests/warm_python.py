@@ -80,8 +80,8 @@ class Zygote:
             raise RuntimeError(f"the zygote exited (code {self.process.poll()})")
         return json.loads(line)
 
-    def run(self, request: dict, timeout: float | None) -> tuple[int | None, int]:
-        """(exit code, or None on timeout; the child's pid)."""
+    def run(self, request: dict, timeout: float | None) -> int | None:
+        """The child's exit code, or None when it ran past `timeout` (it is killed)."""
         message = memoryview((json.dumps(request) + "\n").encode())
         while message:  # an unbuffered write may take part of it
             message = message[self.process.stdin.write(message) :]
@@ -91,8 +91,8 @@ class Zygote:
             with contextlib.suppress(ProcessLookupError):  # it may have ended since
                 os.kill(pid, signal.SIGKILL)
             self.receive(deadline=None)
-            return None, pid
-        return reply["returncode"], pid
+            return None
+        return reply["returncode"]
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -146,7 +146,7 @@ def run(command: list, *, env: dict | None = None, cwd=None, timeout: float | No
                            stderr=err_path, append=log_path is not None)  # fmt: skip
             if log_path is not None:
                 stdout.flush()
-            returncode, _ = zygote.run(request, timeout)
+            returncode = zygote.run(request, timeout)
             output = Path(out_path).read_text(errors="replace") if captured else None
             errors = Path(err_path).read_text(errors="replace") if captured else None
     finally:
@@ -159,7 +159,7 @@ def run(command: list, *, env: dict | None = None, cwd=None, timeout: float | No
 def as_subprocess_module() -> types.SimpleNamespace:
     """A stand-in for the `subprocess` module of code that runs scripts with `subprocess.run` (the studies' stages):
     `monkeypatch.setattr(module, "subprocess", warm_python.as_subprocess_module())`."""
-    return types.SimpleNamespace(run=run, STDOUT=subprocess.STDOUT, PIPE=subprocess.PIPE)
+    return types.SimpleNamespace(run=run, STDOUT=subprocess.STDOUT)
 
 
 @contextlib.contextmanager
